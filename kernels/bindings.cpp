@@ -1,0 +1,10 @@
+// Declarations of the CUDA entry points; load_inline generates their Python
+// bindings from this file (functions=...).
+#include <string>
+#include <vector>
+
+std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                                const c10::optional<at::Tensor>& bias, int64_t groups,
+                                double eps, const std::string& kernel, int64_t team);
+
+std::string plan(const at::Tensor& x, int64_t groups, const std::string& kernel, int64_t team);

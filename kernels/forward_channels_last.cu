@@ -1,0 +1,158 @@
+// GroupNorm forward for channels-last input: (N, HxW, C) in memory, the layout
+// of torch.channels_last / channels_last_3d (and of (N, C, L) with C
+// innermost).
+//
+// A unit is one sample, HxW rows of C contiguous channels holding all G
+// groups. T CTAs (a team) split the rows; each thread owns one column of V
+// channels for the whole launch, so its per-channel statistics, scale and
+// shift stay in registers, and rows are read with coalesced accesses of up to
+// 16 bytes whatever C / G is (a column may straddle groups). A CTA keeps the
+// first `kept` rows of its slice in shared memory between the sweeps: with
+// the whole slice kept, x is read from DRAM once and y written once; a sample
+// larger than the on-chip memory of all CTAs together re-reads the rest.
+//
+// Thread layout: cols = C / V threads cover a row, rows_per_step rows go in
+// parallel; threads beyond cols * rows_per_step (the block is rounded up to
+// whole warps) only help with the reductions.
+#include "common.cuh"
+
+namespace groupnorm {
+
+constexpr int kChannelsLastMaxThreads = 512;  // and at most 64 registers a thread
+constexpr int kRowUnroll = 4;                 // independent row loads in flight per thread
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
+    groupnorm_forward_channels_last_kernel(const scalar_t* __restrict__ x,      // [N, HxW, C]
+                                           const scalar_t* __restrict__ gamma,  // [C] or nullptr
+                                           const scalar_t* __restrict__ beta,   // [C] or nullptr
+                                           scalar_t* __restrict__ y,            // [N, HxW, C]
+                                           acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+                                           acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
+                                           TeamWorkspace<acc_t<scalar_t>> ws, int64_t N,
+                                           int64_t HxW, int C, int G, int D, int rows_per_step,
+                                           int T, int64_t rows_per_slice, int64_t kept,
+                                           acc_t<scalar_t> eps) {
+  using A = acc_t<scalar_t>;
+  using VecT = Vec<scalar_t, V>;
+  constexpr int kRowUnroll = 4;  // independent row loads in flight per thread
+  extern __shared__ __align__(16) unsigned char smem[];
+  // The reduction table holds one entry per (row lane, channel): [rows_per_step][C].
+  SharedLayout<A> sh(smem, ((kept * C * sizeof(scalar_t) + 15) / 16) * 16, G, rows_per_step * C);
+  scalar_t* on_chip = reinterpret_cast<scalar_t*>(sh.slice);
+
+  const int team = blockIdx.x / T;
+  const int rank = blockIdx.x % T;
+  const int teams = gridDim.x / T;
+  const int tid = threadIdx.x;
+  const int cols = C / V;
+  const int col = tid % cols;
+  const int row_lane = tid / cols;  // >= rows_per_step: reductions only
+  const bool sweeps = row_lane < rows_per_step;
+  const int c0 = col * V;
+  int group[V];  // group of each of this thread's channels
+#pragma unroll
+  for (int e = 0; e < V; ++e) group[e] = (c0 + e) / D;
+  const int64_t first_row = int64_t(rank) * rows_per_slice;
+  const int64_t rows = first_row < HxW ? min(rows_per_slice, HxW - first_row) : 0;
+  const int64_t nkept = min(rows, kept);
+  const SliceCounts<A> count_of{rows_per_slice, HxW, D};
+  const A local_count = A(rows * D);
+
+  int round = 0;
+  for (int64_t n = team; n < N; n += teams, ++round) {
+    const scalar_t* first = x + (n * HxW + first_row) * C;  // this slice's first row
+    const scalar_t* xs = first + c0;
+    scalar_t* ys = y + (n * HxW + first_row) * C + c0;
+    scalar_t* ks = on_chip + c0;
+
+    // Sweep 1: load (keeping what fits on chip) and sum x - shift per channel.
+    // The shift, the group's first element in this slice, keeps the float
+    // sum small for inputs far from zero.
+    A shift[V], sum[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      shift[e] = rows > 0 ? static_cast<A>(first[group[e] * D]) : A(0);
+      sum[e] = 0;
+    }
+    if (sweeps) {
+      for (int64_t r0 = row_lane; r0 < rows; r0 += int64_t(kRowUnroll) * rows_per_step) {
+        VecT v[kRowUnroll];
+#pragma unroll
+        for (int u = 0; u < kRowUnroll; ++u) {
+          const int64_t r = r0 + int64_t(u) * rows_per_step;
+          if (r < rows) v[u] = load_vec<scalar_t, V>(xs + r * C);
+        }
+#pragma unroll
+        for (int u = 0; u < kRowUnroll; ++u) {
+          const int64_t r = r0 + int64_t(u) * rows_per_step;
+          if (r < rows) {
+            if (r < nkept) store_vec<scalar_t, V>(ks + r * C, v[u]);
+#pragma unroll
+            for (int e = 0; e < V; ++e) sum[e] += static_cast<A>(v[u].val[e]) - shift[e];
+          }
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < V; ++e) sh.red[row_lane * C + c0 + e] = sum[e];
+    }
+    __syncthreads();
+    reduce_groups(sh.red, rows_per_step, C, G, D, sh.local_mean);
+    for (int g = tid; g < G; g += blockDim.x) {
+      sh.local_mean[g] =
+          rows > 0 ? static_cast<A>(first[g * D]) + sh.local_mean[g] / local_count : A(0);
+    }
+    __syncthreads();
+
+    // Sweep 2: sum of squares about this slice's group means.
+    if (sweeps) {
+      A m[V], m2[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        m[e] = sh.local_mean[group[e]];
+        m2[e] = 0;
+      }
+      for (int64_t r = row_lane; r < rows; r += rows_per_step) {
+        const VecT v =
+            r < nkept ? load_vec<scalar_t, V>(ks + r * C) : load_vec<scalar_t, V>(xs + r * C);
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const A d = static_cast<A>(v.val[e]) - m[e];
+          m2[e] += d * d;
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < V; ++e) sh.red[row_lane * C + c0 + e] = m2[e];
+    }
+    __syncthreads();
+    reduce_groups(sh.red, rows_per_step, C, G, D, sh.local_m2);
+
+    team_combine(ws, team, rank, T, round, G, count_of, A(HxW * D), eps, sh.local_mean, sh.local_m2,
+                 sh.mean, sh.rstd, sh.red, mean + n * G, rstd + n * G);
+
+    // Sweep 3: y = (x - mean) * a + beta, a = rstd * gamma, per channel.
+    if (sweeps) {
+      A mu[V], a[V], b[V];
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        mu[e] = sh.mean[group[e]];
+        const A rs = sh.rstd[group[e]];
+        a[e] = gamma != nullptr ? rs * static_cast<A>(gamma[c0 + e]) : rs;
+        b[e] = beta != nullptr ? static_cast<A>(beta[c0 + e]) : A(0);
+      }
+      for (int64_t r = row_lane; r < rows; r += rows_per_step) {
+        const VecT v =
+            r < nkept ? load_vec<scalar_t, V>(ks + r * C) : load_vec<scalar_t, V>(xs + r * C);
+        VecT out;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          out.val[e] = static_cast<scalar_t>((static_cast<A>(v.val[e]) - mu[e]) * a[e] + b[e]);
+        }
+        store_vec_streaming<scalar_t, V>(ys + r * C, out);
+      }
+    }
+    __syncthreads();  // the kept rows and shared statistics are reused
+  }
+}
+
+}  // namespace groupnorm

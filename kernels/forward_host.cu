@@ -1,0 +1,546 @@
+// Host side of the forward: input checks, the choice of kernel for a shape
+// (choose_plan, the one place that decides), and the launch on the current
+// stream under a device guard. No host synchronisation; every temporary comes
+// from PyTorch's caching allocator.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#include "common.cuh"
+#include "forward_channels_last.cu"
+#include "forward_contiguous.cu"
+#include "forward_reference.cu"
+
+namespace groupnorm {
+
+// Error messages joined without iostreams: c10::str's ostringstream, built
+// into a JIT extension, has crashed against the host's libstdc++.
+inline std::string message_part(const std::string& s) { return s; }
+inline std::string message_part(const char* s) { return s; }
+inline std::string message_part(int v) { return std::to_string(v); }
+inline std::string message_part(int64_t v) { return std::to_string(v); }
+inline std::string message_part(size_t v) { return std::to_string(v); }
+inline std::string message_part(double v) { return std::to_string(v); }
+inline std::string message_part(c10::ScalarType t) { return c10::toString(t); }
+inline std::string message_part(const c10::Device& d) { return d.str(); }
+inline std::string message_part(c10::IntArrayRef sizes) {
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i ? ", " : "") + std::to_string(sizes[i]);
+  return out + "]";
+}
+template <typename... Parts>
+std::string message(const Parts&... parts) {
+  std::string out;
+  ((out += message_part(parts)), ...);
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Device facts, read once per device.
+// ---------------------------------------------------------------------------
+struct DeviceInfo {
+  int sms = 0;
+  int smem_per_sm = 0;       // bytes of shared memory per multiprocessor
+  int smem_per_block = 0;    // opt-in maximum for one block
+  bool cooperative = false;  // co-resident launches (team barrier) allowed
+};
+
+const DeviceInfo& device_info(int device) {
+  static std::mutex lock;
+  static std::map<int, DeviceInfo> cache;
+  std::lock_guard<std::mutex> guard(lock);
+  auto it = cache.find(device);
+  if (it != cache.end()) return it->second;
+  DeviceInfo info;
+  int coop = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_sm,
+                                        cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_block,
+                                        cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+  info.cooperative = coop != 0;
+  return cache.emplace(device, info).first->second;
+}
+
+// Blocks of `kernel` that fit on one SM with this many threads and bytes of
+// dynamic shared memory; also raises the kernel's shared-memory limit to the
+// device's opt-in maximum the first time it is seen on a device.
+int blocks_per_sm(const void* kernel, int device, int threads, size_t smem) {
+  static std::mutex lock;
+  static std::map<std::tuple<const void*, int, int, size_t>, int> cache;
+  std::lock_guard<std::mutex> guard(lock);
+  const auto key = std::make_tuple(kernel, device, threads, smem);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const auto limit_key = std::make_tuple(kernel, device, -1, size_t(0));
+  if (cache.find(limit_key) == cache.end()) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        device_info(device).smem_per_block));
+    cache[limit_key] = 0;
+  }
+  int blocks = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem));
+  cache[key] = blocks;
+  return blocks;
+}
+
+// ---------------------------------------------------------------------------
+// The plan: which kernel runs for this shape, and why.
+// ---------------------------------------------------------------------------
+enum class Kernel { Reference, Contiguous, ChannelsLast };
+
+struct Request {
+  std::string kernel = "auto";  // "auto", "reference", "contiguous", "channels_last"
+  int64_t team = 0;             // CTAs per unit; 0 = choose
+};
+
+struct Shape {
+  int64_t N, C, HxW;
+  int G;
+  bool channels_last;  // x is (N, HxW, C) in memory
+  size_t elem;         // bytes per element
+  uintptr_t x_addr;
+};
+
+struct Plan {
+  Kernel kernel = Kernel::Reference;
+  int vec = 1;       // elements per access
+  int64_t kept = 0;  // items of the slice held on chip (all: one DRAM read of x)
+  int threads = kReferenceThreads;
+  int rows_per_step = 1;  // channels-last: rows in flight per sweep step
+  int64_t units = 0;      // groups (contiguous) or samples (channels-last)
+  int64_t slice = 0;      // items per CTA: vectors (contiguous) or rows (channels-last)
+  int team = 1;           // CTAs per unit
+  int64_t grid = 0;
+  size_t smem = 0;
+  std::string why;
+};
+
+constexpr int64_t kMaxGrid = 1 << 30;
+// A CTA's share of a unit is never cut below this: smaller slices spend more
+// time in the team barrier than in moving bytes.
+constexpr int64_t kMinSliceBytes = 8 * 1024;
+// Resident CTAs per SM the on-chip budget is sized for: while one waits at its
+// team barrier, the others keep the SM's memory pipe busy.
+constexpr int kTargetBlocksPerSm = 4;
+// Widest access per thread: 16 bytes for the contiguous kernel; 8 for the
+// channels-last kernel, whose per-channel registers would spill at 16.
+constexpr int kContiguousVecBytes = 16;
+constexpr int kChannelsLastVecBytes = 8;
+
+int widest_vector(size_t elem, uintptr_t addr, std::initializer_list<int64_t> multiples_of,
+                  size_t max_bytes = 16) {
+  for (int v = int(max_bytes / elem); v > 1; v /= 2) {
+    bool ok = addr % (v * elem) == 0;
+    for (int64_t m : multiples_of) ok = ok && m % v == 0;
+    if (ok) return v;
+  }
+  return 1;
+}
+
+template <typename scalar_t, int V>
+const void* contiguous_kernel() {
+  return reinterpret_cast<const void*>(&groupnorm_forward_contiguous_kernel<scalar_t, V>);
+}
+template <typename scalar_t, int V>
+const void* channels_last_kernel() {
+  return reinterpret_cast<const void*>(&groupnorm_forward_channels_last_kernel<scalar_t, V>);
+}
+
+// Calls f(std::integral_constant<int, v>) for the vector widths a kernel is
+// built for: up to kMaxBytes per access.
+template <typename scalar_t, int kMaxBytes, typename F>
+void with_vec(int v, F&& f) {
+  constexpr int kMax = int(kMaxBytes / sizeof(scalar_t));
+  switch (v) {
+    case 8:
+      if constexpr (kMax >= 8) {
+        f(std::integral_constant<int, 8>{});
+        return;
+      }
+      break;
+    case 4:
+      if constexpr (kMax >= 4) {
+        f(std::integral_constant<int, 4>{});
+        return;
+      }
+      break;
+    case 2:
+      if constexpr (kMax >= 2) {
+        f(std::integral_constant<int, 2>{});
+        return;
+      }
+      break;
+    case 1:
+      f(std::integral_constant<int, 1>{});
+      return;
+  }
+  TORCH_CHECK(false, message("groupnorm: no kernel for vector width ", v));
+}
+
+// Splits `units` of `items` each (item = one vector or one row of `item_bytes`)
+// over teams of CTAs. Sets team, slice, kept, grid and smem.
+void plan_teams(Plan& p, const void* kernel, int device, int64_t items, size_t item_bytes,
+                int stat_groups, int red_entries, size_t acc, const Request& req) {
+  const DeviceInfo& dev = device_info(device);
+  const size_t overhead = shared_bytes(0, red_entries, stat_groups, acc);
+  TORCH_CHECK(
+      overhead + 16 <= size_t(dev.smem_per_block),
+      message("groupnorm: ", stat_groups, " groups need more shared memory than a block has"));
+  const int64_t most_items = int64_t((dev.smem_per_block - overhead) / item_bytes);
+  const int64_t min_items = std::max<int64_t>(1, kMinSliceBytes / int64_t(item_bytes));
+  const auto smem_for = [&](int64_t kept_items) {
+    return shared_bytes(kept_items * item_bytes, red_entries, stat_groups, acc);
+  };
+  const auto capacity = [&](int64_t kept_items) {
+    return int64_t(blocks_per_sm(kernel, device, p.threads, smem_for(kept_items))) * dev.sms;
+  };
+  const int64_t max_team = dev.cooperative ? capacity(0) : 1;
+  // Shared memory per CTA when kTargetBlocksPerSm share an SM (fewer, if
+  // registers or threads already limit residency).
+  const int resident =
+      std::max<int>(1, std::min<int64_t>(kTargetBlocksPerSm, capacity(0) / dev.sms));
+  const size_t per_sm = size_t(dev.smem_per_sm) / resident;
+  const int64_t budget_items = std::min<int64_t>(
+      per_sm > overhead + 1024 ? (per_sm - overhead - 1024) / item_bytes : 0, most_items);
+
+  int64_t T, kept, teams = p.units;
+  if (req.team > 0) {
+    T = std::min<int64_t>(req.team, items);
+    TORCH_CHECK(T <= max_team,
+                message("groupnorm: a team of ", req.team,
+                        " CTAs cannot be co-resident on this device (at most ", max_team, ")"));
+    kept = std::min((items + T - 1) / T, most_items);
+    while (T > 1 && kept > 0 && capacity(kept) < T) kept /= 2;
+    p.why = "team forced to " + std::to_string(T);
+  } else {
+    // Every team does the same number of rounds (a ragged last round would
+    // leave most of the grid idle): the fewest rounds that leave each team
+    // t_fit CTAs, then as many CTAs per team as the grid holds while slices
+    // stay above kMinSliceBytes.
+    const int64_t t_fit = budget_items > 0 ? (items + budget_items - 1) / budget_items : items + 1;
+    const int64_t cap =
+        std::min(max_team, capacity(std::min(items, std::max<int64_t>(budget_items, 1))));
+    if (t_fit <= cap) {
+      const int64_t rounds = (p.units + cap / t_fit - 1) / (cap / t_fit);
+      teams = (p.units + rounds - 1) / rounds;
+      T = std::max(t_fit, std::min(cap / teams, std::max<int64_t>(1, items / min_items)));
+      kept = (items + T - 1) / T;
+      p.why =
+          "on chip: " + std::to_string(teams) + " team(s), " + std::to_string(rounds) + " round(s)";
+    } else {
+      // A unit larger than the shared memory of every resident CTA together:
+      // one team of all of them, each keeping its budget and re-reading the
+      // rest of its slice (from L2, mostly: kept loads stream past it).
+      teams = 1;
+      T = std::max<int64_t>(1, std::min({max_team, capacity(budget_items), items}));
+      kept = T == 1 ? most_items : budget_items;
+      p.why = "unit larger than on-chip memory: partly re-read";
+    }
+  }
+  p.slice = (items + T - 1) / T;
+  p.team = int((items + p.slice - 1) / p.slice);  // no empty slices
+  p.kept = std::min(p.slice, kept);
+  p.smem = smem_for(p.kept);
+  if (p.team == 1) {
+    p.grid = std::min(p.units, kMaxGrid);
+    TORCH_CHECK(capacity(p.kept) > 0, message("groupnorm: kernel does not fit on this device (",
+                                              p.smem, " bytes of shared memory)"));
+  } else {
+    teams = std::min(teams, capacity(p.kept) / p.team);
+    TORCH_CHECK(teams >= 1,
+                message("groupnorm: a team of ", p.team, " CTAs cannot be co-resident"));
+    p.grid = teams * p.team;
+  }
+}
+
+const char* kernel_name(Kernel k) {
+  switch (k) {
+    case Kernel::Contiguous:
+      return "contiguous";
+    case Kernel::ChannelsLast:
+      return "channels_last";
+    default:
+      return "reference";
+  }
+}
+
+// Which kernel runs for this shape, and why. Contiguous input takes the
+// contiguous kernel; channels-last input the channels-last kernel unless C is
+// too wide for one thread per column (then the reference kernel, which reads
+// any layout). Both fast kernels use 16-byte accesses where the address, C/G
+// and HxW allow, narrower ones otherwise.
+template <typename scalar_t>
+Plan choose_plan(const Shape& s, int device, const Request& req) {
+  Plan p;
+  const int64_t D = s.C / s.G;
+  const size_t acc = sizeof(acc_t<scalar_t>);
+  const bool want_ref = req.kernel == "reference";
+  TORCH_CHECK_VALUE(want_ref || req.kernel == "auto" || req.kernel == "contiguous" ||
+                        req.kernel == "channels_last",
+                    message("groupnorm: unknown kernel '", req.kernel,
+                            "' (expected auto, reference, contiguous or channels_last)"));
+  TORCH_CHECK_VALUE(
+      req.kernel != (s.channels_last ? "contiguous" : "channels_last"),
+      message("groupnorm: kernel '", req.kernel, "' does not match the input's layout (",
+              s.channels_last ? "channels_last" : "contiguous", ")"));
+  if (!want_ref && !s.channels_last) {
+    p.kernel = Kernel::Contiguous;
+    p.vec = widest_vector(s.elem, s.x_addr, {s.HxW}, kContiguousVecBytes);  // one channel a vector
+    p.threads = kContiguousThreads;
+    p.units = s.N * s.G;
+    const void* k = nullptr;
+    with_vec<scalar_t, kContiguousVecBytes>(
+        p.vec, [&](auto v) { k = contiguous_kernel<scalar_t, decltype(v)::value>(); });
+    plan_teams(p, k, device, D * s.HxW / p.vec, p.vec * s.elem, 1, p.threads, acc, req);
+    return p;
+  }
+  if (!want_ref) {
+    const int v = widest_vector(s.elem, s.x_addr, {s.C}, kChannelsLastVecBytes);
+    const int64_t cols = s.C / v;
+    if (cols <= kChannelsLastMaxThreads) {
+      p.kernel = Kernel::ChannelsLast;
+      p.vec = v;
+      p.rows_per_step = int(std::max<int64_t>(1, kContiguousThreads / cols));
+      p.threads = int((cols * p.rows_per_step + kWarp - 1) / kWarp * kWarp);
+      p.units = s.N;
+      const void* k = nullptr;
+      with_vec<scalar_t, kChannelsLastVecBytes>(
+          p.vec, [&](auto v) { k = channels_last_kernel<scalar_t, decltype(v)::value>(); });
+      plan_teams(p, k, device, s.HxW, s.C * s.elem, s.G, p.rows_per_step * int(s.C), acc, req);
+      return p;
+    }
+    TORCH_CHECK(req.kernel != "channels_last",
+                message("groupnorm: the channels_last kernel needs C / ", v,
+                        " <= ", kChannelsLastMaxThreads, ", got C = ", s.C));
+    p.why = "C too wide for one thread per column; ";
+  }
+  TORCH_CHECK(req.team <= 1, "groupnorm: the reference kernel has no teams");
+  p.kernel = Kernel::Reference;
+  p.units = s.N * s.G;
+  p.grid = std::min(p.units, kMaxGrid);
+  p.why += want_ref ? "reference kernel requested" : "reference kernel";
+  return p;
+}
+
+std::string describe_plan(const Plan& p) {
+  return std::string(kernel_name(p.kernel)) + " vec=" + std::to_string(p.vec) +
+         " team=" + std::to_string(p.team) + " kept=" + std::to_string(p.kept) + "/" +
+         std::to_string(p.slice) + " grid=" + std::to_string(p.grid) +
+         " threads=" + std::to_string(p.threads) + " smem=" + std::to_string(p.smem) + " (" +
+         p.why + ")";
+}
+
+// ---------------------------------------------------------------------------
+// Checks shared by every entry point. Errors name the problem and the values.
+// ---------------------------------------------------------------------------
+struct Checked {
+  at::Tensor x;  // the tensor the kernel reads (a contiguous copy if x was neither layout)
+  c10::optional<at::Tensor> gamma, beta;
+  Shape shape;
+};
+
+bool is_channels_last_like(const at::Tensor& x) {
+  // (N, C, *) whose memory order is N, *, C with no gaps: channels_last,
+  // channels_last_3d, and the same for any number of trailing dims.
+  if (x.dim() < 3) return false;
+  const int64_t C = x.size(1);
+  if (C != 1 && x.stride(1) != 1) return false;
+  int64_t expected = C;
+  for (int64_t d = x.dim() - 1; d >= 2; --d) {
+    if (x.size(d) != 1 && x.stride(d) != expected) return false;
+    expected *= x.size(d);
+  }
+  return x.size(0) == 1 || x.stride(0) == expected;
+}
+
+c10::optional<at::Tensor> check_affine(const c10::optional<at::Tensor>& t, const char* name,
+                                       const at::Tensor& x) {
+  if (!t.has_value() || !t->defined()) return c10::nullopt;
+  const int64_t C = x.size(1);
+  TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == C,
+                    message("groupnorm: ", name, " must have shape [", C,
+                            "] (one value per channel), got ", t->sizes()));
+  TORCH_CHECK_TYPE(t->scalar_type() == x.scalar_type(),
+                   message("groupnorm: ", name, " has dtype ", t->scalar_type(),
+                           " but input has dtype ", x.scalar_type()));
+  TORCH_CHECK_VALUE(t->device() == x.device(), message("groupnorm: ", name, " is on ", t->device(),
+                                                       " but input is on ", x.device()));
+  return t->contiguous();
+}
+
+Checked check_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& gamma,
+                     const c10::optional<at::Tensor>& beta, int64_t groups, double eps) {
+  TORCH_CHECK_VALUE(x.defined(), "groupnorm: input is undefined");
+  TORCH_CHECK_VALUE(x.is_cuda(), message("groupnorm: input must be a CUDA tensor, got one on ",
+                                         x.device(), " (group_norm() handles CPU tensors)"));
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_TYPE(
+      dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
+      message("groupnorm: input dtype must be float32, float16, bfloat16 or float64, got ", dtype));
+  TORCH_CHECK_VALUE(x.dim() >= 2,
+                    message("groupnorm: input must have shape (N, C, *), got ", x.sizes()));
+  const int64_t C = x.size(1);
+  TORCH_CHECK_VALUE(groups > 0, message("groupnorm: num_groups must be positive, got ", groups));
+  TORCH_CHECK_VALUE(C % groups == 0, message("groupnorm: num_channels (", C,
+                                             ") must be divisible by num_groups (", groups, ")"));
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0,
+                    message("groupnorm: eps must be finite and >= 0, got ", eps));
+  Checked c;
+  c.gamma = check_affine(gamma, "weight", x);
+  c.beta = check_affine(beta, "bias", x);
+  const bool contiguous = x.is_contiguous();
+  const bool channels_last = !contiguous && is_channels_last_like(x);
+  c.x = contiguous || channels_last ? x : x.contiguous();
+  int64_t HxW = 1;
+  for (int64_t d = 2; d < x.dim(); ++d) HxW *= x.size(d);
+  c.shape = Shape{x.size(0),
+                  C,
+                  HxW,
+                  int(groups),
+                  channels_last,
+                  size_t(x.element_size()),
+                  reinterpret_cast<uintptr_t>(c.x.data_ptr())};
+  return c;
+}
+
+// ---------------------------------------------------------------------------
+// Launch.
+// ---------------------------------------------------------------------------
+template <typename A>
+TeamWorkspace<A> make_workspace(const Plan& p, int stat_groups, const at::Tensor& like,
+                                at::Tensor& storage, cudaStream_t stream) {
+  TeamWorkspace<A> ws{nullptr, nullptr, nullptr, nullptr};
+  if (p.team == 1) return ws;
+  const int64_t teams = p.grid / p.team;
+  const int64_t counters = ((2 * teams * int64_t(sizeof(int)) + 15) / 16) * 16;
+  const int64_t partial = teams * 2 * p.team * stat_groups * 2;
+  const int64_t result = teams * 2 * stat_groups * 2;
+  storage = at::empty({counters + (partial + result) * int64_t(sizeof(A))},
+                      like.options().dtype(at::kByte));
+  auto* base = storage.data_ptr<uint8_t>();
+  C10_CUDA_CHECK(cudaMemsetAsync(base, 0, counters, stream));
+  ws.arrived = reinterpret_cast<int*>(base);
+  ws.published = ws.arrived + teams;
+  ws.partial = reinterpret_cast<A*>(base + counters);
+  ws.result = ws.partial + partial;
+  return ws;
+}
+
+template <typename Kern, typename... Args>
+void launch(const Plan& p, Kern kernel, cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(p.grid));
+  config.blockDim = dim3(unsigned(p.threads));
+  config.dynamicSmemBytes = p.smem;
+  config.stream = stream;
+  // Teams wait on each other: every CTA must be resident at once, which a
+  // cooperative launch guarantees (or refuses with an error, never a hang).
+  cudaLaunchAttribute cooperative;
+  cooperative.id = cudaLaunchAttributeCooperative;
+  cooperative.val.cooperative = 1;
+  config.attrs = &cooperative;
+  config.numAttrs = p.team > 1 ? 1 : 0;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, args...));
+}
+
+template <typename scalar_t>
+void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mean, at::Tensor& rstd,
+                 double eps, cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const Shape& s = c.shape;
+  const scalar_t* x = c.x.data_ptr<scalar_t>();
+  const scalar_t* gamma = c.gamma ? c.gamma->data_ptr<scalar_t>() : nullptr;
+  const scalar_t* beta = c.beta ? c.beta->data_ptr<scalar_t>() : nullptr;
+  scalar_t* out = y.data_ptr<scalar_t>();
+  A* mean_p = mean.data_ptr<A>();
+  A* rstd_p = rstd.data_ptr<A>();
+  const int D = int(s.C / s.G);
+  at::Tensor storage;
+  switch (p.kernel) {
+    case Kernel::Contiguous: {
+      const auto ws = make_workspace<A>(p, 1, y, storage, stream);
+      const int64_t slice_elems = p.slice * p.vec;
+      const bool fast_div = s.HxW + slice_elems < (int64_t(1) << 31);
+      const FastDivider hxw_div(fast_div ? uint32_t(s.HxW) : 1u);
+      with_vec<scalar_t, kContiguousVecBytes>(p.vec, [&](auto v) {
+        launch(p, &groupnorm_forward_contiguous_kernel<scalar_t, decltype(v)::value>, stream, x,
+               gamma, beta, out, mean_p, rstd_p, ws, p.units, int64_t(D) * s.HxW, s.HxW, s.G, D,
+               p.team, slice_elems, p.kept, hxw_div, fast_div, A(eps));
+      });
+      break;
+    }
+    case Kernel::ChannelsLast: {
+      const auto ws = make_workspace<A>(p, s.G, y, storage, stream);
+      with_vec<scalar_t, kChannelsLastVecBytes>(p.vec, [&](auto v) {
+        launch(p, &groupnorm_forward_channels_last_kernel<scalar_t, decltype(v)::value>, stream, x,
+               gamma, beta, out, mean_p, rstd_p, ws, s.N, s.HxW, int(s.C), s.G, D, p.rows_per_step,
+               p.team, p.slice, p.kept, A(eps));
+      });
+      break;
+    }
+    case Kernel::Reference: {
+      const int64_t stride_n = s.C * s.HxW;
+      const int64_t stride_c = s.channels_last ? 1 : s.HxW;
+      const int64_t stride_s = s.channels_last ? s.C : 1;
+      groupnorm_forward_reference_kernel<scalar_t>
+          <<<unsigned(p.grid), kReferenceThreads, 0, stream>>>(x, gamma, beta, out, mean_p, rstd_p,
+                                                               s.N, s.HxW, s.G, D, stride_n,
+                                                               stride_c, stride_s, A(eps));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      break;
+    }
+  }
+}
+
+}  // namespace groupnorm
+
+// Returns [y, mean, rstd]; mean and rstd are [N, G] in the accumulation type
+// (float, or double for double input). `kernel` and `team` force a path for
+// tests and tuning: "auto" and 0 let choose_plan decide.
+std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                                const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
+                                const std::string& kernel, int64_t team) {
+  using namespace groupnorm;
+  Checked c = check_inputs(x, weight, bias, groups, eps);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto acc_dtype = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  // c.x is dense (contiguous or channels-last-like), so y gets its exact strides.
+  at::Tensor y = at::empty_like(c.x);
+  at::Tensor mean = at::empty({c.shape.N, groups}, x.options().dtype(acc_dtype));
+  at::Tensor rstd = at::empty({c.shape.N, groups}, x.options().dtype(acc_dtype));
+  if (x.numel() == 0) return {y, mean, rstd};
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+  const Request req{kernel, team};
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "groupnorm_forward", [&] {
+        const Plan p = choose_plan<scalar_t>(c.shape, x.device().index(), req);
+        run_forward<scalar_t>(p, c, y, mean, rstd, eps, stream);
+      });
+  return {y, mean, rstd};
+}
+
+// The plan forward() would run for these arguments, as text.
+std::string plan(const at::Tensor& x, int64_t groups, const std::string& kernel, int64_t team) {
+  using namespace groupnorm;
+  Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
+  const c10::cuda::CUDAGuard guard(x.device());
+  std::string text;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "groupnorm_plan", [&] {
+    text = describe_plan(choose_plan<scalar_t>(c.shape, x.device().index(), Request{kernel, team}));
+  });
+  return text;
+}

@@ -1,0 +1,72 @@
+// The oracle: one CTA per (sample, group), scalar accesses, three sweeps over
+// global memory (mean, centred variance, normalise). Obviously right rather
+// than fast; it takes any layout whose trailing dims flatten to one stride
+// (contiguous and channels-last both do), and is the path tests compare the
+// fast kernels against and the fallback for shapes they do not take.
+#include "common.cuh"
+
+namespace groupnorm {
+
+constexpr int kReferenceThreads = 256;
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kReferenceThreads) groupnorm_forward_reference_kernel(
+    const scalar_t* __restrict__ x,      // [N, C, HxW] with strides below
+    const scalar_t* __restrict__ gamma,  // [C] or nullptr
+    const scalar_t* __restrict__ beta,   // [C] or nullptr
+    scalar_t* __restrict__ y,            // same strides as x
+    acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+    acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
+    int64_t N, int64_t HxW, int G, int D, int64_t stride_n, int64_t stride_c, int64_t stride_s,
+    acc_t<scalar_t> eps) {
+  using A = acc_t<scalar_t>;
+  __shared__ A red[kReferenceThreads];
+  __shared__ A total[1];
+  const int64_t count = int64_t(D) * HxW;
+
+  for (int64_t unit = blockIdx.x; unit < N * G; unit += gridDim.x) {
+    const int64_t n = unit / G;
+    const int64_t c0 = (unit % G) * D;
+    const auto at = [&](int64_t e) {
+      const int64_t c = c0 + e / HxW;
+      const int64_t s = e % HxW;
+      return n * stride_n + c * stride_c + s * stride_s;
+    };
+
+    // Summing x - x[0] keeps the float sum small for inputs far from zero.
+    const A shift = static_cast<A>(x[at(0)]);
+    A sum = 0;
+    for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
+      sum += static_cast<A>(x[at(e)]) - shift;
+    }
+    red[threadIdx.x] = sum;
+    __syncthreads();
+    reduce_groups(red, 1, blockDim.x, 1, blockDim.x, total);
+    const A mu = shift + total[0] / A(count);
+    __syncthreads();
+
+    A m2 = 0;
+    for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
+      const A d = static_cast<A>(x[at(e)]) - mu;
+      m2 += d * d;
+    }
+    red[threadIdx.x] = m2;
+    __syncthreads();
+    reduce_groups(red, 1, blockDim.x, 1, blockDim.x, total);
+    const A rs = rsqrt(total[0] / A(count) + eps);
+    if (threadIdx.x == 0) {
+      mean[unit] = mu;
+      rstd[unit] = rs;
+    }
+
+    for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
+      const int64_t c = c0 + e / HxW;
+      const A a = gamma != nullptr ? rs * static_cast<A>(gamma[c]) : rs;
+      const A b = beta != nullptr ? static_cast<A>(beta[c]) : A(0);
+      y[at(e)] = static_cast<scalar_t>((static_cast<A>(x[at(e)]) - mu) * a + b);
+    }
+    __syncthreads();  // red and total are reused by the next unit
+  }
+}
+
+}  // namespace groupnorm
