@@ -1,0 +1,606 @@
+"""Tests for groupnorm_inline.
+
+CPU tests run everywhere (API, validation, CPU path, bundles, state_dict).
+GPU tests skip without CUDA; they call groupnorm_cuda (never a fallback),
+compare with a float64 reference on fresh random data, and poison the memory
+the output will occupy before every call.
+"""
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import groupnorm_inline as gn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+# ---------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------
+
+def make_input(shape, dtype, layout, device, shift=0.0, scale=1.0):
+    """Fresh random (N, C, *) input in the requested memory layout."""
+    x = torch.randn(shape, dtype=torch.float32, device=device) * scale + shift
+    x = x.to(dtype)
+    if layout == "channels_last" and x.dim() >= 3:
+        # N, *, C in memory: permute a (N, *, C) tensor back to (N, C, *).
+        order = [0] + list(range(2, x.dim())) + [1]
+        inverse = [order.index(i) for i in range(x.dim())]
+        x = x.permute(order).contiguous().permute(inverse)
+    return x
+
+
+def channels_last_like(x):
+    """(N, C, *) stored as N, *, C without gaps."""
+    return x.dim() >= 3 and x.permute(0, *range(2, x.dim()), 1).is_contiguous()
+
+
+def affine(C, dtype, device, kind):
+    w = torch.randn(C, dtype=dtype, device=device) if kind in ("both", "weight") else None
+    b = torch.randn(C, dtype=dtype, device=device) if kind in ("both", "bias") else None
+    return w, b
+
+
+def poisoned(fn, x):
+    """Runs fn() after filling the block its output will reuse with NaN bytes,
+    and checks that the output did land there: unwritten elements show up."""
+    nbytes = x.numel() * x.element_size()
+    if nbytes == 0:
+        return fn(), True
+    bait = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device=x.device)
+    address = bait.data_ptr()
+    del bait
+    out = fn()
+    return out, out.data_ptr() == address
+
+
+def tolerance(x, ref, dtype, torch_err, weight):
+    """float32/64: 1e-5 (1e-12) plus the rounding of x - mean at x's magnitude;
+    float16/bfloat16: torch's own error on the same input, give or take half
+    an output ulp at the largest output."""
+    eps = torch.finfo(dtype).eps
+    if dtype in (torch.float32, torch.float64):
+        gmax = weight.abs().max().item() if weight is not None else 1.0
+        spread = ref.abs().max().item()
+        base = 1e-5 if dtype == torch.float32 else 1e-12
+        return base + 8 * eps * (x.abs().max().item() + spread) * max(gmax, 1.0)
+    return 1.1 * torch_err + 0.5 * eps * ref.abs().max().item()
+
+
+def describe_mismatch(out, ref, tol):
+    diff = (out.double() - ref).abs()
+    bad = (diff > tol) | diff.isnan()
+    idx = bad.nonzero()[:5].tolist()
+    vals = [(i, out[tuple(i)].item(), ref[tuple(i)].item()) for i in idx]
+    return f"{int(bad.sum())} of {out.numel()} elements differ (tol {tol:.2e}); first: {vals}"
+
+
+def check_against_reference(x, groups, w, b, eps=1e-5, **force):
+    ref = gn.reference_group_norm(x, groups, w, b, eps)
+    dense = x.is_contiguous() or channels_last_like(x)
+    y, landed = poisoned(lambda: gn.groupnorm_cuda(x, w, b, groups, eps, **force), x)
+    # A dense input is read in place, so the output is the first allocation and
+    # must land on the poison; others are copied first (the copy takes it).
+    assert landed or not dense, "output did not reuse the poisoned block"
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if dense:
+        assert y.stride() == x.stride(), f"memory format not kept: {y.stride()} vs {x.stride()}"
+    else:
+        assert y.is_contiguous()
+    if x.numel() == 0:
+        return y
+    torch_err = gn.max_error(gn.torch_group_norm(x, groups, w, b, eps), ref)
+    tol = tolerance(x, ref, x.dtype, torch_err, w)
+    err = gn.max_error(y, ref)
+    assert not y.isnan().any(), describe_mismatch(y, ref, tol)
+    assert err <= tol, describe_mismatch(y, ref, tol)
+    return y
+
+
+# ---------------------------------------------------------------------------
+# CPU-side tests: run everywhere
+# ---------------------------------------------------------------------------
+
+CPU_SHAPES = [((2, 6, 5, 7), 3), ((3, 60, 31), 5), ((4, 8), 2), ((2, 24, 3, 5, 7), 4),
+              ((2, 4, 1, 1), 4), ((0, 8, 4), 2)]
+
+
+@pytest.mark.parametrize("shape,groups", CPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_group_norm_equals_torch(shape, groups, dtype):
+    x = make_input(shape, dtype, "contiguous", "cpu", shift=3.0)
+    w, b = affine(shape[1], dtype, "cpu", "both")
+    torch.testing.assert_close(gn.group_norm(x, groups, w, b, 1e-4), F.group_norm(x, groups, w, b, 1e-4),
+                               rtol=0, atol=0)
+
+
+BAD_INPUTS = [
+    # (description, kwargs builder, exception, message fragment)
+    ("C % G != 0", lambda: (torch.randn(2, 6, 4), 4, None, None, 1e-5), ValueError, "divisible"),
+    ("G == 0", lambda: (torch.randn(2, 6, 4), 0, None, None, 1e-5), ValueError, "positive"),
+    ("G < 0", lambda: (torch.randn(2, 6, 4), -2, None, None, 1e-5), ValueError, "positive"),
+    ("G not int", lambda: (torch.randn(2, 6, 4), 2.0, None, None, 1e-5), TypeError, "int"),
+    ("1-D input", lambda: (torch.randn(6), 2, None, None, 1e-5), ValueError, "(N, C, *)"),
+    ("int input", lambda: (torch.ones(2, 6, 4, dtype=torch.int64), 2, None, None, 1e-5), TypeError, "dtype"),
+    ("bool input", lambda: (torch.ones(2, 6, 4, dtype=torch.bool), 2, None, None, 1e-5), TypeError, "dtype"),
+    ("complex input", lambda: (torch.randn(2, 6, 4, dtype=torch.complex64), 2, None, None, 1e-5), TypeError, "dtype"),
+    ("negative eps", lambda: (torch.randn(2, 6, 4), 2, None, None, -1e-5), ValueError, "eps"),
+    ("nan eps", lambda: (torch.randn(2, 6, 4), 2, None, None, float("nan")), ValueError, "eps"),
+    ("inf eps", lambda: (torch.randn(2, 6, 4), 2, None, None, float("inf")), ValueError, "eps"),
+    ("eps not a number", lambda: (torch.randn(2, 6, 4), 2, None, None, "1e-5"), TypeError, "eps"),
+    ("input not a tensor", lambda: ([[1.0]], 1, None, None, 1e-5), TypeError, "Tensor"),
+    ("one value per channel", lambda: (torch.randn(1, 4, 1, 1), 2, None, None, 1e-5), ValueError,
+     "more than 1 value"),
+]
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_cpu_bad_input_raises_clear_error(case):
+    _, build, exc, fragment = case
+    args = build()
+    before = args[0].clone() if isinstance(args[0], torch.Tensor) else None
+    with pytest.raises(exc, match=None) as info:
+        gn.group_norm(*args)
+    assert fragment in str(info.value)
+    if before is not None:
+        assert torch.equal(args[0], before), "input was modified"
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_cpu_bad_affine_raises(bad):
+    x = torch.randn(2, 6, 4)
+    w = torch.randn(5) if bad == "shape" else torch.randn(6, dtype=torch.float64)
+    with pytest.raises((ValueError, RuntimeError, TypeError)):
+        gn.group_norm(x, 2, w, None)
+
+
+def test_groupnorm_cuda_rejects_cpu_tensor():
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        gn.groupnorm_cuda(torch.randn(2, 4, 3), None, None, 2)
+
+
+def test_module_matches_nn_groupnorm():
+    ours, theirs = gn.GroupNorm(4, 12, eps=1e-3), nn.GroupNorm(4, 12, eps=1e-3)
+    assert isinstance(ours, nn.GroupNorm)
+    assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+    assert repr(ours).replace("GroupNorm", "") == repr(theirs).replace("GroupNorm", "")
+    assert torch.equal(ours.weight, theirs.weight) and torch.equal(ours.bias, theirs.bias)
+    no_affine = gn.GroupNorm(4, 12, affine=False)
+    assert no_affine.weight is None and list(no_affine.state_dict()) == []
+    # state_dict both ways, with non-default values
+    theirs.weight.data.normal_()
+    theirs.bias.data.normal_()
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(3, 12, 5)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+    ours.weight.data.normal_()
+    theirs.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+
+
+def test_module_dtype_and_device_arguments():
+    m = gn.GroupNorm(2, 4, dtype=torch.float64)
+    assert m.weight.dtype == torch.float64
+    m = gn.GroupNorm(2, 4, device="meta")
+    assert m.weight.device.type == "meta"
+
+
+def test_replace_groupnorm_keeps_parameters():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8),
+                          nn.Sequential(nn.ReLU(), nn.GroupNorm(4, 8, affine=False)))
+    model[1].weight.data.normal_()
+    weight = model[1].weight
+    x = torch.randn(2, 3, 9, 9)
+    expected = model(x)
+    replaced = gn.replace_groupnorm(model)
+    assert replaced is model
+    assert type(model[1]) is gn.GroupNorm and type(model[2][1]) is gn.GroupNorm
+    assert model[1].weight is weight
+    assert model[2][1].weight is None
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+    single = gn.replace_groupnorm(nn.GroupNorm(2, 4))
+    assert type(single) is gn.GroupNorm
+
+
+def kernelbench_reference_model():
+    class Model(nn.Module):
+        def __init__(self, num_features, num_groups):
+            super().__init__()
+            self.gn = nn.GroupNorm(num_groups=num_groups, num_channels=num_features)
+
+        def forward(self, x):
+            return self.gn(x)
+    return Model
+
+
+def test_modelnew_contract_on_cpu():
+    Model = kernelbench_reference_model()
+    assert gn.get_init_inputs() == [64, 8]
+    assert (gn.batch_size, gn.features, gn.dim1, gn.dim2) == (112, 64, 512, 512)
+    ref = Model(*gn.get_init_inputs())
+    ref.gn.weight.data.normal_()
+    ref.gn.bias.data.normal_()
+    new = gn.ModelNew(*gn.get_init_inputs())
+    new.load_state_dict(ref.state_dict())
+    assert list(new.state_dict()) == list(ref.state_dict())
+    x = torch.rand(2, 64, 8, 8)
+    torch.testing.assert_close(new(x), ref(x), rtol=0, atol=0)
+
+
+def test_extension_name_tracks_sources(monkeypatch):
+    before = gn.extension_name("9.0")
+    assert before == gn.extension_name("9.0")
+    assert before != gn.extension_name("8.0")
+    files = {name: gn._read_source(name) for name in gn._kernel_files()}
+    files["common.cuh"] += "\n// edited\n"
+    monkeypatch.setattr(gn, "_EMBEDDED_SOURCES", files)
+    assert gn.extension_name("9.0") != before
+
+
+def test_sources_inline_every_local_include():
+    cpp, cuda = gn.sources()
+    assert '#include "' not in cuda
+    assert cuda.count("struct TeamWorkspace") == 1, "a header was inlined twice"
+    assert "__global__" in cuda and "forward(" in cpp
+
+
+def test_bundle_imports_without_kernels_dir(tmp_path):
+    path = gn.bundle(str(tmp_path / "standalone_gn.py"))
+    spec = importlib.util.spec_from_file_location("standalone_gn", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.sources() == gn.sources()
+    assert module.extension_name("9.0") == gn.extension_name("9.0")
+    for name in gn.__all__:
+        assert hasattr(module, name), name
+    x = torch.randn(2, 8, 3)
+    torch.testing.assert_close(module.group_norm(x, 4), F.group_norm(x, 4), rtol=0, atol=0)
+
+
+def test_bundle_works_when_exec_from_string(tmp_path):
+    path = gn.bundle(str(tmp_path / "standalone_gn.py"))
+    with open(path) as f:
+        text = f.read()
+    namespace = {}
+    exec(compile(text, "<string>", "exec"), namespace)
+    assert namespace["sources"]() == gn.sources()
+    model = namespace["ModelNew"](8, 2)
+    x = torch.rand(2, 8, 4, 4)
+    torch.testing.assert_close(model(x), F.group_norm(x, 2, model.gn.weight, model.gn.bias),
+                               rtol=0, atol=0)
+
+
+def test_kernelbench_bundle_passes_static_checks(tmp_path):
+    path = gn.bundle(str(tmp_path / "kb35.py"), kernelbench="level1-35")
+    with open(path) as f:
+        text = f.read()
+    assert gn.kernelbench_problems(text) == []
+    assert "__global__" in text and "load_inline" in text
+    compile(text, path, "exec")  # valid Python
+    for name in ("class ModelNew", "def get_inputs", "def get_init_inputs"):
+        assert name in text
+
+
+@pytest.mark.parametrize("snippet,problem", [
+    ("try:\n    x = 1\nexcept Exception:\n    x = 2\n", "try/except"),
+    ("class A:\n    pass\n", "pass"),
+    ("y = torch.nn.functional.group_norm(x, 2)\n", "functional"),
+    ("m = torch.nn.GroupNorm(2, 4)\n", "torch.nn"),
+])
+def test_static_check_catches_violations(snippet, problem):
+    text = "__global__ load_inline\n" + snippet
+    assert any(problem in p for p in gn.kernelbench_problems(text))
+
+
+def test_cli_bundle_and_help(tmp_path):
+    out = tmp_path / "cli_bundle.py"
+    subprocess.run([sys.executable, os.path.join(HERE, "groupnorm_inline.py"), "bundle", str(out)],
+                   check=True, env={**os.environ, "GROUPNORM_INLINE_LAZY": "1"})
+    assert out.exists()
+    helptext = subprocess.run([sys.executable, os.path.join(HERE, "groupnorm_inline.py"), "bundle", "--help"],
+                              check=True, capture_output=True, text=True,
+                              env={**os.environ, "GROUPNORM_INLINE_LAZY": "1"}).stdout
+    assert "--kernelbench" in helptext and "level1-35" in helptext
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_self_check_without_gpu_says_so():
+    result = subprocess.run([sys.executable, os.path.join(HERE, "groupnorm_inline.py")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0
+    assert "no CUDA device" in result.stdout
+
+
+# ---------------------------------------------------------------------------
+# GPU tests
+# ---------------------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+LAYOUTS = ["contiguous", "channels_last"]
+GPU_SHAPES = [  # (shape, groups): awkward on purpose
+    ((2, 6, 5, 7), 3),          # odd HxW, C/G = 2
+    ((3, 60, 31), 5),           # 1-D, C/G = 12
+    ((2, 96, 17, 23), 6),       # C/G = 16, odd HxW
+    ((4, 32, 8, 8), 8),
+    ((2, 320, 64, 64), 32),     # SD UNet, C/G = 10
+    ((1, 64, 1, 1), 64),        # HxW = 1, G = C
+    ((2, 64, 9, 9), 1),         # G = 1
+    ((3, 16), 4),               # no trailing dims
+    ((2, 24, 3, 5, 7), 4),      # 3-D trailing dims
+    ((0, 32, 4, 4), 8),         # N = 0
+    ((2, 40, 0, 4), 4),         # empty spatial
+    ((5, 1280, 8, 8), 32),
+    ((1, 128, 129, 67), 32),
+    ((1, 64, 256, 256), 4),     # large groups: several CTAs per group
+    ((2, 512, 3, 64, 64), 32),  # video-like 3-D
+]
+
+
+def shape_id(case):
+    shape, groups = case
+    return "x".join(map(str, shape)) + f"-G{groups}"
+
+
+@cuda
+@pytest.mark.parametrize("case", GPU_SHAPES, ids=[shape_id(c) for c in GPU_SHAPES])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+def test_gpu_matches_float64_reference(case, layout, dtype):
+    shape, groups = case
+    x = make_input(shape, dtype, layout, "cuda")
+    before = x.clone()
+    for kind in ("both", "none", "weight"):
+        w, b = affine(shape[1], dtype, "cuda", kind)
+        check_against_reference(x, groups, w, b)
+    assert torch.equal(x, before), "input was modified"
+
+
+@cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+def test_gpu_shifted_inputs_stay_accurate(layout, dtype):
+    for shape, groups in [((2, 64, 33, 31), 8), ((1, 32, 128, 128), 2)]:
+        x = make_input(shape, dtype, layout, "cuda", shift=1000.0)
+        w, b = affine(shape[1], dtype, "cuda", "both")
+        check_against_reference(x, groups, w, b)
+
+
+FORCED = [  # (shape, groups, dtype, layout, kernel, team)
+    ((2, 6, 5, 7), 3, torch.float32, "contiguous", "reference", 0),
+    ((2, 96, 17, 23), 6, torch.bfloat16, "channels_last", "reference", 0),
+    ((3, 60, 31), 5, torch.float16, "contiguous", "contiguous", 1),
+    ((1, 8, 200, 200), 1, torch.float32, "contiguous", "contiguous", 1),    # one CTA re-reads 1.3 MB
+    ((1, 8, 200, 200), 1, torch.float32, "contiguous", "contiguous", 2),    # two CTAs re-read
+    ((1, 8, 200, 200), 1, torch.float32, "contiguous", "contiguous", 7),    # kept, awkward team
+    ((3, 12, 61, 37), 3, torch.float32, "contiguous", "contiguous", 13),
+    ((2, 20, 97, 41), 5, torch.bfloat16, "contiguous", "contiguous", 5),
+    ((2, 64, 45, 45), 8, torch.float16, "channels_last", "channels_last", 1),
+    ((2, 64, 45, 45), 8, torch.float16, "channels_last", "channels_last", 3),
+    ((3, 40, 77, 19), 4, torch.float32, "channels_last", "channels_last", 11),
+    ((1, 320, 64, 64), 32, torch.bfloat16, "channels_last", "channels_last", 64),
+    ((1, 16, 300, 300), 2, torch.float32, "channels_last", "channels_last", 1),  # re-read
+    ((2, 12, 33, 35), 4, torch.float64, "contiguous", "contiguous", 6),
+]
+
+
+@cuda
+@pytest.mark.parametrize("case", FORCED, ids=lambda c: f"{shape_id(c[:2])}-{str(c[2])[6:]}-{c[3]}-{c[4]}-T{c[5]}"
+                         if isinstance(c, tuple) else str(c))
+def test_gpu_forced_paths(case):
+    shape, groups, dtype, layout, kernel, team = case
+    x = make_input(shape, dtype, layout, "cuda", shift=2.0)
+    text = gn.plan(x, groups, kernel=kernel, team=team)
+    assert text.startswith(kernel), text
+    if team:
+        assert f"team={team} " in text, text
+    for _ in range(2):  # fresh weights each time; the result must not depend on timing
+        w, b = affine(shape[1], dtype, "cuda", "both")
+        check_against_reference(x, groups, w, b, kernel=kernel, team=team)
+
+
+def kept_fraction(plan_text):
+    kept, slice_ = plan_text.split(" kept=")[1].split()[0].split("/")
+    return int(kept) / int(slice_)
+
+
+@cuda
+def test_gpu_plan_chooses_multi_cta_teams_for_large_groups():
+    x = torch.randn(2, 64, 256, 256, device="cuda")
+    text = gn.plan(x, 2)
+    assert text.startswith("contiguous") and kept_fraction(text) == 1 and "team=1 " not in text, text
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gpu_teams_over_several_rounds(dtype):
+    # 128 groups of 512 KiB (float32): each team handles several groups in
+    # turn, reusing its workspace by round parity. Fresh weights each call.
+    x = make_input((16, 64, 128, 128), dtype, "contiguous", "cuda", shift=5.0)
+    text = gn.plan(x, 8)
+    assert "team=1 " not in text and " 1 round" not in text, text
+    for _ in range(2):
+        check_against_reference(x, 8, *affine(64, dtype, "cuda", "both"))
+
+
+@cuda
+def test_gpu_sample_larger_than_on_chip_memory():
+    # 1 x 64 x 512 x 512 bfloat16 channels-last: one 32 MiB unit, more than the
+    # shared memory of every CTA together, so part of each slice is re-read.
+    x = make_input((1, 64, 512, 512), torch.bfloat16, "channels_last", "cuda")
+    text = gn.plan(x, 32)
+    assert text.startswith("channels_last") and kept_fraction(text) < 1, text
+    check_against_reference(x, 32, *affine(64, torch.bfloat16, "cuda", "both"))
+
+
+@cuda
+def test_gpu_team_result_is_deterministic():
+    x = make_input((2, 64, 128, 128), torch.float32, "contiguous", "cuda")
+    first = gn.groupnorm_cuda(x, None, None, 4, team=9)
+    for _ in range(5):
+        assert torch.equal(gn.groupnorm_cuda(x, None, None, 4, team=9), first)
+
+
+@cuda
+def test_gpu_non_contiguous_and_misaligned_inputs():
+    base = torch.randn(3, 40, 20, 21, device="cuda")
+    sliced = base[:, ::2, 1:, :]                      # neither layout: copied
+    check_against_reference(sliced, 5, None, None)
+    flat = torch.randn(1 + 2 * 32 * 16 * 16, device="cuda", dtype=torch.float16)
+    offset = flat[1:].view(2, 32, 16, 16)             # 2-byte offset breaks 16-byte alignment
+    assert offset.data_ptr() % 16 != 0
+    assert "vec=1" in gn.plan(offset, 8)
+    check_against_reference(offset, 8, *affine(32, torch.float16, "cuda", "both"))
+    transposed = torch.randn(2, 50, 24, device="cuda").transpose(1, 2)  # (N, C, L), C innermost
+    assert gn.plan(transposed, 6).startswith("channels_last")
+    check_against_reference(transposed, 6, *affine(24, torch.float32, "cuda", "both"))
+
+
+@cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_nan_and_inf_propagate_like_torch(layout):
+    x = make_input((2, 16, 6, 6), torch.float32, layout, "cuda")
+    x[0, 1, 2, 3] = float("nan")
+    x[1, 9, 0, 0] = float("inf")
+    y = gn.groupnorm_cuda(x, None, None, 4)
+    expected = gn.torch_group_norm(x, 4, None, None, 1e-5)
+    assert torch.equal(y.isnan(), expected.isnan())
+    finite = ~expected.isnan()
+    torch.testing.assert_close(y[finite], expected[finite], rtol=1e-5, atol=1e-5)
+
+
+@cuda
+def test_gpu_bad_input_errors():
+    x = torch.randn(2, 6, 4, device="cuda")
+    cases = [
+        (lambda: gn.groupnorm_cuda(x, None, None, 4), ValueError, "divisible"),
+        (lambda: gn.groupnorm_cuda(x, None, None, 0), ValueError, "positive"),
+        (lambda: gn.groupnorm_cuda(torch.randn(6, device="cuda"), None, None, 2), ValueError, "(N, C, *)"),
+        (lambda: gn.groupnorm_cuda(x.int(), None, None, 2), TypeError, "dtype"),
+        (lambda: gn.groupnorm_cuda(x.bool(), None, None, 2), TypeError, "dtype"),
+        (lambda: gn.groupnorm_cuda(x.to(torch.complex64), None, None, 2), TypeError, "dtype"),
+        (lambda: gn.groupnorm_cuda(x, torch.randn(5, device="cuda"), None, 2), ValueError, "shape"),
+        (lambda: gn.groupnorm_cuda(x, torch.randn(6, 1, device="cuda"), None, 2), ValueError, "shape"),
+        (lambda: gn.groupnorm_cuda(x, None, torch.randn(6, device="cuda").half(), 2), TypeError, "dtype"),
+        (lambda: gn.groupnorm_cuda(x, torch.randn(6), None, 2), ValueError, "cpu"),
+        (lambda: gn.groupnorm_cuda(x, None, None, 2, -1.0), ValueError, "eps"),
+        (lambda: gn.groupnorm_cuda(x, None, None, 2, float("inf")), ValueError, "eps"),
+        (lambda: gn.groupnorm_cuda(x, None, None, 2, kernel="fast"), ValueError, "unknown kernel"),
+    ]
+    before = x.clone()
+    for call, exc, fragment in cases:
+        with pytest.raises(exc) as info:
+            call()
+        assert fragment in str(info.value), str(info.value)
+    assert torch.equal(x, before)
+
+
+@cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_gpu_second_device():
+    x = make_input((2, 32, 9, 9), torch.float32, "contiguous", "cuda:1")
+    w, b = affine(32, torch.float32, "cuda:1", "both")
+    y = check_against_reference(x, 4, w, b)
+    assert y.device == x.device
+
+
+@cuda
+def test_gpu_runs_on_current_stream_and_in_cuda_graph():
+    x = make_input((2, 64, 128, 128), torch.float32, "contiguous", "cuda")
+    w, b = affine(64, torch.float32, "cuda", "both")
+    expected = gn.reference_group_norm(x, 2, w, b, 1e-5)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        y = gn.groupnorm_cuda(x, w, b, 2)
+    torch.cuda.current_stream().wait_stream(stream)
+    assert gn.max_error(y, expected) < 1e-4
+    # capture with a multi-CTA team (cooperative launch + workspace memset) and replay
+    assert "team=1 " not in gn.plan(x, 2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        gn.groupnorm_cuda(x, w, b, 2)  # warm-up on the capture stream
+        torch.cuda.current_stream().synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = gn.groupnorm_cuda(x, w, b, 2)
+    for _ in range(3):
+        x.copy_(make_input(x.shape, x.dtype, "contiguous", "cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert gn.max_error(captured, gn.reference_group_norm(x, 2, w, b, 1e-5)) < 1e-4
+
+
+@cuda
+def test_gpu_group_norm_and_module_take_cuda_path_and_match_torch():
+    x = make_input((2, 64, 16, 16), torch.bfloat16, "channels_last", "cuda")
+    layer = gn.GroupNorm(8, 64).cuda().to(torch.bfloat16)
+    reference = nn.GroupNorm(8, 64).cuda().to(torch.bfloat16)
+    layer.weight.data.normal_()
+    reference.load_state_dict(layer.state_dict())
+    with torch.no_grad():
+        out = layer(x)
+        ref = gn.reference_group_norm(x, 8, layer.weight, layer.bias, 1e-5)
+        torch_err = gn.max_error(reference(x), ref)
+    assert gn.max_error(out, ref) <= tolerance(x, ref, x.dtype, torch_err, layer.weight)
+    assert out.is_contiguous(memory_format=torch.channels_last)
+    # autograd still works (torch's group_norm computes gradients)
+    x32 = make_input((2, 8, 5, 5), torch.float32, "contiguous", "cuda").requires_grad_()
+    gn.group_norm(x32, 2).sum().backward()
+    assert x32.grad is not None
+
+
+@cuda
+def test_gpu_more_than_2_31_elements():
+    free, _ = torch.cuda.mem_get_info()
+    if free < 40 * 2**30:
+        pytest.skip("needs 40 GiB of free GPU memory")
+    shape = (2, 4, 2**28 + 64)  # 2^31 + 512 elements, bfloat16 = 4 GiB
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    y = gn.groupnorm_cuda(x, None, None, 2)
+    assert x.numel() > 2**31
+    # reference per (sample, group) in float64, chunk by chunk
+    for n in range(2):
+        for g in range(2):
+            xs = x[n, 2 * g:2 * g + 2].double()
+            mean, var = xs.mean(), xs.var(unbiased=False)
+            expected = ((xs - mean) / torch.sqrt(var + 1e-5))
+            err = (y[n, 2 * g:2 * g + 2].double() - expected).abs().max().item()
+            assert err <= 0.04, (n, g, err)  # bfloat16 output: half an ulp at |y| ~ 6
+            del xs, expected
+
+
+@cuda
+def test_gpu_bundles_run(tmp_path):
+    path = gn.bundle(str(tmp_path / "standalone_gpu.py"))
+    namespace = {}
+    with open(path) as f:
+        exec(compile(f.read(), "<string>", "exec"), namespace)
+    x = make_input((2, 32, 12, 12), torch.float16, "channels_last", "cuda")
+    torch.testing.assert_close(namespace["groupnorm_cuda"](x, None, None, 4),
+                               gn.groupnorm_cuda(x, None, None, 4), rtol=0, atol=0)
+
+    kb_path = gn.bundle(str(tmp_path / "kb35_gpu.py"), kernelbench="level1-35")
+    kb = {}
+    with open(kb_path) as f:
+        exec(compile(f.read(), "<string>", "exec"), kb)
+    Model = kernelbench_reference_model()
+    init = kb["get_init_inputs"]()
+    reference = Model(*init).cuda()
+    reference.gn.weight.data.normal_()
+    reference.gn.bias.data.normal_()
+    candidate = kb["ModelNew"](*init).cuda()
+    candidate.load_state_dict(reference.state_dict())
+    for _ in range(3):
+        (x,) = kb["get_inputs"]()
+        x = x.cuda()
+        with torch.no_grad():
+            torch.testing.assert_close(candidate(x), reference(x), atol=1e-4, rtol=1e-4)
+        del x
