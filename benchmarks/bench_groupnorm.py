@@ -1,0 +1,260 @@
+"""Forward GroupNorm benchmark: groupnorm_inline vs torch eager vs torch.compile.
+
+    python benchmarks/bench_groupnorm.py [--quick] [--json PATH] [--markdown PATH] [--png PATH]
+
+One process, one GPU. For every case: median time of each provider
+(triton.testing.do_bench, after warm-up), the bytes a GroupNorm must move
+(x read once, y written once), that as GB/s and as % of this device's copy
+bandwidth measured in the same run, and the speed-ups. torch.compile is
+compiled afresh per case (dynamo reset), so recompile limits never turn it
+into eager. Inputs rotate through enough copies to exceed L2 where memory
+allows, so small cases are not timed from cache alone.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import groupnorm_inline as gn  # noqa: E402
+
+# (name, shape, groups, dtype, layout)
+SUITE = [
+    ("KernelBench L1-35", (112, 64, 512, 512), 8, torch.float32, "contiguous"),
+    ("KernelBench L2-92 GN", (128, 64, 126, 126), 16, torch.float32, "contiguous"),
+    ("SD UNet", (2, 320, 64, 64), 32, torch.float16, "contiguous"),
+    ("SD UNet", (2, 320, 64, 64), 32, torch.float16, "channels_last"),
+    ("SD UNet deep", (2, 1280, 16, 16), 32, torch.float16, "contiguous"),
+    ("SD UNet deep", (2, 1280, 16, 16), 32, torch.float16, "channels_last"),
+    ("SD UNet deepest", (8, 1280, 8, 8), 32, torch.bfloat16, "contiguous"),
+    ("SD UNet deepest", (8, 1280, 8, 8), 32, torch.bfloat16, "channels_last"),
+    ("SD VAE decoder", (1, 128, 512, 512), 32, torch.bfloat16, "contiguous"),
+    ("SD VAE decoder", (1, 128, 512, 512), 32, torch.bfloat16, "channels_last"),
+    ("SD VAE decoder", (4, 512, 128, 128), 32, torch.bfloat16, "contiguous"),
+    ("SD VAE decoder", (4, 512, 128, 128), 32, torch.bfloat16, "channels_last"),
+    ("video 3-D", (2, 512, 16, 64, 64), 32, torch.bfloat16, "contiguous"),
+    ("video 3-D", (2, 512, 16, 64, 64), 32, torch.bfloat16, "channels_last"),
+    ("audio 1-D", (16, 256, 16000), 16, torch.float32, "contiguous"),
+    ("tiny", (4, 32, 8, 8), 8, torch.float32, "contiguous"),
+]
+QUICK = {"SD UNet", "SD VAE decoder", "tiny"}
+
+
+def median_ms(fn):
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth():
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.randn(512 * 2**20, device="cuda")  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
+
+
+def make_inputs(shape, dtype, layout, budget_bytes):
+    """Copies of a fresh random input, enough to overflow L2 (within budget)."""
+    one = torch.randn(shape, device="cuda", dtype=dtype)
+    if layout == "channels_last":
+        one = one.contiguous(memory_format=torch.channels_last if one.dim() == 4
+                             else torch.channels_last_3d)
+    nbytes = one.numel() * one.element_size()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    copies = max(1, min(64, math.ceil(4 * l2 / nbytes), budget_bytes // max(nbytes, 1)))
+    return [one] + [torch.randn_like(one) for _ in range(copies - 1)]
+
+
+def rotating(fn, inputs):
+    state = {"i": 0}
+
+    def call():
+        state["i"] = (state["i"] + 1) % len(inputs)
+        return fn(inputs[state["i"]])
+    return call
+
+
+def python_overhead_us(calls=20000):
+    """Host time per call on a tiny input (the GPU finishes each launch faster
+    than the host issues the next, so this measures dispatch overhead)."""
+    x = torch.randn(4, 32, 8, 8, device="cuda")
+    w = torch.randn(32, device="cuda")
+    b = torch.randn(32, device="cuda")
+    result = {}
+    with torch.no_grad():
+        for name, fn in (("groupnorm_inline.group_norm", lambda: gn.group_norm(x, 8, w, b)),
+                         ("groupnorm_inline.groupnorm_cuda", lambda: gn.groupnorm_cuda(x, w, b, 8)),
+                         ("F.group_norm", lambda: F.group_norm(x, 8, w, b))):
+            for _ in range(1000):
+                fn()
+            torch.cuda.synchronize()
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                torch.cuda.synchronize()
+                best = min(best, (time.perf_counter() - start) / calls * 1e6)
+            result[name] = best
+    return result
+
+
+def extra_memory_bytes(shape, groups, dtype):
+    """Peak bytes groupnorm_cuda allocates beyond its output."""
+    x = torch.randn(shape, device="cuda", dtype=dtype)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y = gn.groupnorm_cuda(x, None, None, groups)
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base - y.numel() * y.element_size()
+
+
+def run_case(name, shape, groups, dtype, layout, copy_bw, budget):
+    inputs = make_inputs(shape, dtype, layout, budget)
+    C = shape[1]
+    w = torch.randn(C, device="cuda", dtype=dtype)
+    b = torch.randn(C, device="cuda", dtype=dtype)
+    x0 = inputs[0]
+    ref = gn.reference_group_norm(x0, groups, w, b, 1e-5) if x0.numel() < 2**28 else None
+    with torch.no_grad():
+        ours_fn = rotating(lambda t: gn.group_norm(t, groups, w, b), inputs)
+        eager_fn = rotating(lambda t: F.group_norm(t, groups, w, b), inputs)
+        torch._dynamo.reset()
+        compiled = torch.compile(lambda t: F.group_norm(t, groups, w, b), dynamic=False)
+        compile_fn = rotating(compiled, inputs)
+        err = gn.max_error(gn.group_norm(x0, groups, w, b), ref) if ref is not None else float("nan")
+        del ref
+        ms = median_ms(ours_fn)
+        eager = median_ms(eager_fn)
+        comp = median_ms(compile_fn)
+        ms_again = median_ms(ours_fn)
+    nbytes = 2 * x0.numel() * x0.element_size()
+    del inputs, x0
+    torch.cuda.empty_cache()
+    return {
+        "name": name, "shape": list(shape), "G": groups, "dtype": str(dtype).replace("torch.", ""),
+        "layout": layout, "plan": gn.plan(torch.empty(shape, device="cuda", dtype=dtype)
+                                          if layout == "contiguous" else
+                                          torch.empty(shape, device="cuda", dtype=dtype).contiguous(
+                                              memory_format=torch.channels_last if len(shape) == 4
+                                              else torch.channels_last_3d), groups),
+        "bytes": nbytes, "floor_ms": nbytes / copy_bw * 1e3,
+        "ms": {"groupnorm_inline": ms, "eager": eager, "compile": comp},
+        "ms_repeat": ms_again, "max_abs_err_vs_float64": err,
+    }
+
+
+def pct(row, provider):
+    return 100 * row["floor_ms"] / row["ms"][provider]
+
+
+def markdown(rows, meta):
+    lines = [
+        f"Card: {meta['device']} · torch {meta['torch']} · CUDA {meta['cuda']} · {meta['date']} · "
+        f"copy bandwidth {meta['copy_GBps']:.0f} GB/s (read + write, measured in this run)",
+        "",
+        "| case | shape | G | dtype | layout | ours ms | eager ms | compile ms | ours GB/s | "
+        "% of copy BW (ours / eager / compile) | × eager | × compile |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        ms = r["ms"]
+        lines.append(
+            f"| {r['name']} | {'×'.join(map(str, r['shape']))} | {r['G']} | {r['dtype']} | {r['layout']} | "
+            f"{ms['groupnorm_inline']:.4f} | {ms['eager']:.4f} | {ms['compile']:.4f} | "
+            f"{r['bytes'] / ms['groupnorm_inline'] / 1e6:.0f} | "
+            f"{pct(r, 'groupnorm_inline'):.0f} / {pct(r, 'eager'):.0f} / {pct(r, 'compile'):.0f} | "
+            f"{ms['eager'] / ms['groupnorm_inline']:.2f} | {ms['compile'] / ms['groupnorm_inline']:.2f} |")
+    ge = math.exp(sum(math.log(r["ms"]["eager"] / r["ms"]["groupnorm_inline"]) for r in rows) / len(rows))
+    gc = math.exp(sum(math.log(r["ms"]["compile"] / r["ms"]["groupnorm_inline"]) for r in rows) / len(rows))
+    lines += ["", f"Geometric mean speed-up: {ge:.2f}× eager, {gc:.2f}× torch.compile ({len(rows)} cases)."]
+    over = meta.get("python_overhead_us")
+    if over:
+        lines.append("Host time per call, tiny input: " +
+                     ", ".join(f"{k} {v:.1f} µs" for k, v in over.items()) + ".")
+    if "extra_memory_bytes" in meta:
+        lines.append(f"Extra memory beyond the output, KernelBench L1-35 shape: "
+                     f"{meta['extra_memory_bytes']} bytes.")
+    return "\n".join(lines)
+
+
+def chart(rows, path):
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib not installed: no chart")
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels = [f"{r['name']}\n{'×'.join(map(str, r['shape']))} {r['dtype']} {r['layout'][:2]}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 5))
+    width = 0.27
+    for i, provider in enumerate(("groupnorm_inline", "eager", "compile")):
+        ax.bar([j + (i - 1) * width for j in range(len(rows))], [pct(r, provider) for r in rows],
+               width, label=provider)
+    ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("% of the 1-read + 1-write floor")
+    ax.axhline(100, color="gray", lw=0.5)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="a few representative cases only")
+    parser.add_argument("--json", help="write raw rows here")
+    parser.add_argument("--markdown", help="write the table here")
+    parser.add_argument("--png", help="write a chart here (needs matplotlib)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench: no CUDA device visible")
+    gn.load()
+    meta = {
+        "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+        "date": datetime.date.today().isoformat(), "command": " ".join([sys.executable] + sys.argv),
+    }
+    copy_bw = copy_bandwidth()
+    meta["copy_GBps"] = copy_bw / 1e9
+    print(f"{meta['device']}  torch {meta['torch']}  CUDA {meta['cuda']}  copy {copy_bw / 1e9:.0f} GB/s",
+          flush=True)
+    free, _ = torch.cuda.mem_get_info()
+    budget = free // 6
+    rows = []
+    for case in SUITE:
+        if args.quick and case[0] not in QUICK:
+            continue
+        row = run_case(*case, copy_bw, budget)
+        rows.append(row)
+        ms = row["ms"]
+        print(f"{row['name']:>20} {'x'.join(map(str, row['shape'])):>16} G={row['G']:<3} {row['dtype']:>8} "
+              f"{row['layout']:>13}  ours {ms['groupnorm_inline']:8.4f} ({row['ms_repeat']:8.4f})  "
+              f"eager {ms['eager']:8.4f}  compile {ms['compile']:8.4f}  floor {row['floor_ms']:8.4f}  "
+              f"{pct(row, 'groupnorm_inline'):5.1f}%  err {row['max_abs_err_vs_float64']:.1e}  "
+              f"[{row['plan']}]", flush=True)
+    meta["python_overhead_us"] = python_overhead_us()
+    meta["extra_memory_bytes"] = extra_memory_bytes((112, 64, 512, 512), 8, torch.float32) \
+        if not args.quick else extra_memory_bytes((1, 128, 512, 512), 32, torch.bfloat16)
+    table = markdown(rows, meta)
+    print()
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(table + "\n")
+    if args.png:
+        chart(rows, args.png)
+
+
+if __name__ == "__main__":
+    main()
