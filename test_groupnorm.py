@@ -338,7 +338,8 @@ GPU_SHAPES = [  # (shape, groups): awkward on purpose
     ((2, 24, 3, 5, 7), 4),      # 3-D trailing dims
     ((0, 32, 4, 4), 8),         # N = 0
     ((2, 40, 0, 4), 4),         # empty spatial
-    ((5, 1280, 8, 8), 32),
+    ((5, 1280, 8, 8), 32),      # float32 channels-last: 16-byte columns to fit a block
+    ((2, 2560, 4, 4), 32),
     ((1, 128, 129, 67), 32),
     ((1, 64, 256, 256), 4),     # large groups: several CTAs per group
     ((2, 512, 3, 64, 64), 32),  # video-like 3-D

@@ -136,10 +136,13 @@ constexpr int64_t kMinSliceBytes = 8 * 1024;
 // Resident CTAs per SM the on-chip budget is sized for: while one waits at its
 // team barrier, the others keep the SM's memory pipe busy.
 constexpr int kTargetBlocksPerSm = 4;
-// Widest access per thread: 16 bytes for the contiguous kernel; 8 for the
-// channels-last kernel, whose per-channel registers would spill at 16.
+// Widest access per thread: 16 bytes for the contiguous kernel. The
+// channels-last kernel keeps per-channel sums, shifts and affine terms in
+// registers, which spill at 16 bytes, so it uses 8 unless a row would need
+// more than kChannelsLastMaxThreads threads.
 constexpr int kContiguousVecBytes = 16;
 constexpr int kChannelsLastVecBytes = 8;
+constexpr int kChannelsLastWideVecBytes = 16;
 
 int widest_vector(size_t elem, uintptr_t addr, std::initializer_list<int64_t> multiples_of,
                   size_t max_bytes = 16) {
@@ -309,7 +312,10 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
     return p;
   }
   if (!want_ref) {
-    const int v = widest_vector(s.elem, s.x_addr, {s.C}, kChannelsLastVecBytes);
+    int v = widest_vector(s.elem, s.x_addr, {s.C}, kChannelsLastVecBytes);
+    if (s.C / v > kChannelsLastMaxThreads) {
+      v = widest_vector(s.elem, s.x_addr, {s.C}, kChannelsLastWideVecBytes);
+    }
     const int64_t cols = s.C / v;
     if (cols <= kChannelsLastMaxThreads) {
       p.kernel = Kernel::ChannelsLast;
@@ -318,7 +324,7 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
       p.threads = int((cols * p.rows_per_step + kWarp - 1) / kWarp * kWarp);
       p.units = s.N;
       const void* k = nullptr;
-      with_vec<scalar_t, kChannelsLastVecBytes>(
+      with_vec<scalar_t, kChannelsLastWideVecBytes>(
           p.vec, [&](auto v) { k = channels_last_kernel<scalar_t, decltype(v)::value>(); });
       plan_teams(p, k, device, s.HxW, s.C * s.elem, s.G, p.rows_per_step * int(s.C), acc, req);
       return p;
@@ -485,7 +491,7 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
     }
     case Kernel::ChannelsLast: {
       const auto ws = make_workspace<A>(p, s.G, y, storage, stream);
-      with_vec<scalar_t, kChannelsLastVecBytes>(p.vec, [&](auto v) {
+      with_vec<scalar_t, kChannelsLastWideVecBytes>(p.vec, [&](auto v) {
         launch(p, &groupnorm_forward_channels_last_kernel<scalar_t, decltype(v)::value>, stream, x,
                gamma, beta, out, mean_p, rstd_p, ws, s.N, s.HxW, int(s.C), s.G, D, p.rows_per_step,
                p.team, p.slice, p.kept, A(eps));
