@@ -220,7 +220,10 @@ def main():
     gn.load()
     meta = {
         "device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "date": datetime.date.today().isoformat(), "command": " ".join([sys.executable] + sys.argv),
+        "date": datetime.date.today().isoformat(),
+        # relative paths only: the record must not depend on the machine it ran on
+        "command": " ".join(["python3", "benchmarks/bench_groupnorm.py"] +
+                            [os.path.basename(a) if os.sep in a else a for a in sys.argv[1:]]),
     }
     copy_bw = copy_bandwidth()
     meta["copy_GBps"] = copy_bw / 1e9
