@@ -14,8 +14,6 @@ Command line:
     python groupnorm_inline.py bundle --kernelbench level1-35 OUT.py
 """
 
-from __future__ import annotations
-
 import argparse
 import glob
 import hashlib
@@ -24,6 +22,7 @@ import os
 import re
 import sys
 import time
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -43,9 +42,9 @@ __all__ = [
 _EMBEDDED_SOURCES = None  # replaced by `bundle`
 
 _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in globals() else None
-_CUDA_ROOT = "forward_host.cu"       # includes every other .cu/.cuh it needs
+_CUDA_ROOT = "extension.cu"          # includes every other .cu/.cuh it needs
 _CPP_DECLARATIONS = "bindings.cpp"   # what load_inline binds to Python
-_FUNCTIONS = ["forward", "plan"]
+_FUNCTIONS = ["forward", "plan", "backward"]
 _CUDA_FLAGS = ["-O3"]   # torch adds its own -std (C++17 or C++20 by version)
 _DEFAULT_ARCH = "9.0"                # used when no GPU is visible (CI compiles this way)
 _LOCAL_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -75,7 +74,8 @@ def _expand(name, seen):
     if name in seen:
         return ""
     seen.add(name)
-    return _LOCAL_INCLUDE.sub(lambda m: _expand(m.group(1), seen), _read_source(name))
+    text = _read_source(name).replace("#pragma once\n", "")  # one file: each is inlined once
+    return _LOCAL_INCLUDE.sub(lambda m: _expand(m.group(1), seen), text)
 
 
 def sources():
@@ -183,7 +183,9 @@ def _check_scalars(num_groups, eps):
 
 
 def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
-    """GroupNorm of a CUDA tensor by this module's kernels, never by torch.
+    """GroupNorm of a CUDA tensor by this module's kernels, never by torch,
+    forward and backward (autograd; under torch.compile / export through the
+    registered op groupnorm_inline::forward).
 
     x: (N, C, *) float32/float16/bfloat16/float64 on a CUDA device; gamma, beta:
     (C,) tensors of x's dtype and device, or None. Returns a new tensor in x's
@@ -197,6 +199,10 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
         raise ValueError(f"groupnorm_cuda: x must be a CUDA tensor, got one on {x.device}; "
                          "group_norm() also takes CPU tensors")
     _check_scalars(groups, eps)
+    if kernel == "auto" and team == 0 and _needs_op(x, gamma, beta):
+        if torch.compiler.is_compiling():
+            return torch.ops.groupnorm_inline.forward(x, gamma, beta, groups, float(eps))[0]
+        return _GroupNormFunction.apply(x, gamma, beta, groups, float(eps))
     return load().forward(x, gamma, beta, groups, float(eps), kernel, team)[0]
 
 
@@ -211,20 +217,31 @@ def _takes_cuda_path(input, weight, bias):
     for t in (weight, bias):
         if t is not None and (t.dtype != input.dtype or t.device != input.device):
             return False  # mixed precision / placement: torch's rules apply
-    # Training needs gradients, which this release does not compute: torch's
-    # group_norm keeps autograd correct.
-    if torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad)
-                                    or (bias is not None and bias.requires_grad)):
-        return False
     return True
+
+
+def _needs_grad(input, weight, bias):
+    return torch.is_grad_enabled() and (input.requires_grad or
+                                        (weight is not None and weight.requires_grad) or
+                                        (bias is not None and bias.requires_grad))
+
+
+def _needs_op(input, weight, bias):
+    """Autograd or a torch.compile / export trace: the plain extension call
+    records no graph."""
+    return torch.compiler.is_compiling() or _needs_grad(input, weight, bias)
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """Same signature and result as torch.nn.functional.group_norm.
 
-    CUDA tensors run this module's kernels; CPU tensors, tensors that need
-    gradients, and weight/bias of another dtype than the input go to torch.
-    Under CUDA autocast the op runs in float32, as torch's does.
+    CUDA tensors run this module's forward kernels (through the registered op
+    groupnorm_inline::forward under torch.compile / export). Inputs that need
+    gradients go to torch's group_norm: this release's backward kernels are
+    slower than torch's on most shapes (benchmarks/README.md); call
+    groupnorm_cuda to train with them. CPU tensors, and weight/bias of another
+    dtype or device than the input, also go to torch. Under CUDA autocast the
+    op runs in float32, as torch's does.
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"group_norm: input must be a torch.Tensor, got {type(input).__name__}")
@@ -236,7 +253,9 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     if input.dim() >= 2 and _single_value_per_channel(input):
         raise ValueError("group_norm: expected more than 1 value per channel, got input of "
                          f"size {list(input.shape)}")
-    if _takes_cuda_path(input, weight, bias):
+    if _takes_cuda_path(input, weight, bias) and not _needs_grad(input, weight, bias):
+        if torch.compiler.is_compiling():
+            return torch.ops.groupnorm_inline.forward(input, weight, bias, num_groups, float(eps))[0]
         return load().forward(input, weight, bias, num_groups, float(eps), "auto", 0)[0]
     if not (input.is_floating_point() and input.dtype in _FLOAT_DTYPES):
         raise TypeError(f"group_norm: input dtype must be floating point, got {input.dtype}")
@@ -255,6 +274,116 @@ def _single_value_per_channel(input):
     for size in input.shape[2:]:
         count *= size
     return count == 1
+
+
+# ---------------------------------------------------------------------------
+# torch.library ops: autograd, torch.compile and torch.export see these
+# ---------------------------------------------------------------------------
+
+def _dense(x):
+    """Contiguous, or (N, C, *) stored with C innermost: kept as is, so outputs
+    share its strides; anything else is computed on a contiguous copy."""
+    return x.is_contiguous() or (x.dim() >= 3 and x.permute(0, *range(2, x.dim()), 1).is_contiguous())
+
+
+def _stat_dtype(x):
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _forward_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                  groups: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, mean, rstd = load().forward(x, weight, bias, groups, eps, "auto", 0)
+    return y, mean, rstd
+
+
+def _forward_fake(x, weight, bias, groups, eps):
+    y = torch.empty_like(x) if _dense(x) else x.new_empty(x.shape)
+    stats = (x.shape[0], groups)
+    return y, x.new_empty(stats, dtype=_stat_dtype(x)), x.new_empty(stats, dtype=_stat_dtype(x))
+
+
+def _backward_impl(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                   weight: Optional[torch.Tensor], groups: int, need_dx: bool,
+                   need_affine: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dx, dweight, dbias = load().backward(dy, x, mean, rstd, weight, groups, need_dx, need_affine)
+    return dx, dweight, dbias
+
+
+_BACKWARD_BLOCK = 256  # kBackwardThreads: wider channels-last groups use a contiguous copy
+
+
+def _backward_fake(dy, x, mean, rstd, weight, groups, need_dx, need_affine):
+    C = x.shape[1]
+    channels_last = not x.is_contiguous() and _dense(x)
+    if not need_dx:
+        dx = x.new_empty((0,))
+    elif _dense(x) and not (channels_last and C // groups > _BACKWARD_BLOCK):
+        dx = torch.empty_like(x)
+    else:
+        dx = x.new_empty(x.shape)
+    affine = (C,) if need_affine else (0,)
+    return dx, x.new_empty(affine), x.new_empty(affine)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, _bias, groups, _eps = inputs
+    _y, mean, rstd = output
+    ctx.save_for_backward(x, weight, mean, rstd)
+    ctx.groups = groups
+
+
+def _backward_formula(ctx, dy, _dmean, _drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    need_dx, need_weight, need_bias = ctx.needs_input_grad[:3]
+    dx, dweight, dbias = torch.ops.groupnorm_inline.backward(
+        dy, x, mean, rstd, weight, ctx.groups, need_dx, need_weight or need_bias)
+    return (dx if need_dx else None, dweight if need_weight else None,
+            dbias if need_bias else None, None, None)
+
+
+class _GroupNormFunction(torch.autograd.Function):
+    """Eager autograd for groupnorm_cuda: the same kernels and backward formula
+    as the registered op, with a fraction of its per-call overhead."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups, eps):
+        y, mean, rstd = load().forward(x, weight, bias, groups, eps, "auto", 0)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.groups = groups
+        return y
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x, weight, mean, rstd = ctx.saved_tensors
+        need_dx, need_weight, need_bias = ctx.needs_input_grad[:3]
+        dx, dweight, dbias = load().backward(dy, x, mean, rstd, weight, ctx.groups, need_dx,
+                                             need_weight or need_bias)
+        return (dx if need_dx else None, dweight if need_weight else None,
+                dbias if need_bias else None, None, None)
+
+
+def _no_double_backward(ctx, *grads):
+    raise RuntimeError("groupnorm_inline: double backward (gradients of gradients) is not "
+                       "supported; use torch.nn.functional.group_norm for that")
+
+
+def _register_ops():
+    """Defines groupnorm_inline::forward and ::backward once per process; a
+    bundled copy imported beside this module reuses them."""
+    if hasattr(torch.ops.groupnorm_inline, "forward"):
+        return
+    forward_op = torch.library.custom_op("groupnorm_inline::forward", _forward_impl,
+                                         mutates_args=())
+    forward_op.register_fake(_forward_fake)
+    forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
+    backward_op = torch.library.custom_op("groupnorm_inline::backward", _backward_impl,
+                                          mutates_args=())
+    backward_op.register_fake(_backward_fake)
+    backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
+
+
+_register_ops()
 
 
 class GroupNorm(nn.GroupNorm):

@@ -539,6 +539,169 @@ def test_gpu_runs_on_current_stream_and_in_cuda_graph():
         assert gn.max_error(captured, gn.reference_group_norm(x, 2, w, b, 1e-5)) < 1e-4
 
 
+# ---------------------------------------------------------------------------
+# training: backward kernels, autograd, torch.library, compile, export
+# ---------------------------------------------------------------------------
+
+BACKWARD_SHAPES = [((2, 6, 5, 7), 3), ((3, 60, 31), 5), ((2, 96, 17, 23), 6), ((2, 320, 16, 16), 32),
+                   ((2, 64, 9, 9), 1), ((2, 64, 1, 1), 64), ((3, 16), 4), ((2, 24, 3, 5, 7), 4),
+                   ((2, 512, 4, 4), 1)]
+
+
+def gradients(fn, x, w, b, dy):
+    """(dx, dw, db) of sum(fn(x, w, b) * dy), for whichever inputs require grad."""
+    leaves = [t for t in (x, w, b) if t is not None and t.requires_grad]
+    grads = iter(torch.autograd.grad(fn(x, w, b), leaves, dy))
+    return [next(grads) if t is not None and t.requires_grad else None for t in (x, w, b)]
+
+
+def check_backward(x, groups, w, b, dy, shift_scale=1.0):
+    x = x.detach().requires_grad_()
+    w = w.detach().requires_grad_() if w is not None else None
+    b = b.detach().requires_grad_() if b is not None else None
+    ours = gradients(lambda *t: gn.groupnorm_cuda(t[0], t[1], t[2], groups), x, w, b, dy)
+    x64 = x.detach().double().requires_grad_()
+    w64 = w.detach().double().requires_grad_() if w is not None else None
+    b64 = b.detach().double().requires_grad_() if b is not None else None
+    ref = gradients(lambda *t: gn.reference_group_norm(t[0], groups, t[1], t[2], 1e-5),
+                    x64, w64, b64, dy.double())
+    theirs = gradients(lambda *t: F.group_norm(t[0], groups, t[1], t[2]),
+                       x.detach().requires_grad_(), *(t.detach().requires_grad_() if t is not None else None
+                                                      for t in (w, b)), dy)
+    for name, mine, r, t in zip(("dx", "dweight", "dbias"), ours, ref, theirs):
+        if r is None:
+            continue
+        assert mine.shape == r.shape and mine.dtype == x.dtype, name
+        scale = r.abs().max().item() + 1e-30
+        err = gn.max_error(mine, r)
+        torch_err = gn.max_error(t, r)
+        eps = torch.finfo(x.dtype).eps
+        tol = (1.5 * torch_err + 4 * eps * scale) if x.dtype in (torch.float16, torch.bfloat16) \
+            else max(1e-5 * scale * shift_scale, 1.1 * torch_err) + 1e-12
+        assert not mine.isnan().any(), name
+        assert err <= tol, f"{name}: error {err:.3e} > {tol:.3e} (torch {torch_err:.3e}, scale {scale:.3e})"
+    return ours
+
+
+@cuda
+@pytest.mark.parametrize("case", BACKWARD_SHAPES, ids=[shape_id(c) for c in BACKWARD_SHAPES])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+def test_gpu_backward_matches_float64_reference(case, layout, dtype):
+    shape, groups = case
+    x = make_input(shape, dtype, layout, "cuda")
+    w, b = affine(shape[1], dtype, "cuda", "both")
+    dy = make_input(shape, dtype, layout, "cuda")
+    check_backward(x, groups, w, b, dy)
+    check_backward(x, groups, None, None, dy)
+    # grad_output in another layout than the input (a transposed view)
+    dy_t = make_input(shape, dtype, "channels_last" if layout == "contiguous" else "contiguous", "cuda")
+    check_backward(x, groups, w, b, dy_t)
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gpu_backward_shifted_inputs(dtype):
+    x = make_input((2, 64, 33, 31), dtype, "contiguous", "cuda", shift=1000.0)
+    w, b = affine(64, dtype, "cuda", "both")
+    check_backward(x, 8, w, b, torch.randn_like(x), shift_scale=100.0)
+
+
+@cuda
+@pytest.mark.parametrize("wants", ["x", "weight", "bias", "weight+bias", "x+bias"])
+def test_gpu_backward_any_subset_of_inputs(wants):
+    x = make_input((2, 32, 7, 9), torch.float32, "contiguous", "cuda").requires_grad_("x" in wants)
+    w = torch.randn(32, device="cuda", requires_grad="weight" in wants)
+    b = torch.randn(32, device="cuda", requires_grad="bias" in wants)
+    y = gn.groupnorm_cuda(x, w, b, 4)
+    assert y.requires_grad
+    y.square().sum().backward()
+    for t, name in ((x, "x"), (w, "weight"), (b, "bias")):
+        assert (t.grad is not None) == (name in wants.split("+")), name
+
+
+@cuda
+def test_gpu_backward_output_is_fully_written():
+    x = make_input((4, 64, 24, 24), torch.float32, "contiguous", "cuda").requires_grad_()
+    y = gn.groupnorm_cuda(x, None, None, 8)
+    dy = torch.randn_like(y)
+    dx, landed = poisoned(lambda: torch.autograd.grad(y, x, dy)[0], x)
+    assert landed, "dx did not reuse the poisoned block"
+    assert not dx.isnan().any()
+
+
+@cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_gradcheck_float64(layout):
+    x = make_input((2, 6, 4, 5), torch.float64, layout, "cuda").requires_grad_()
+    w = torch.randn(6, device="cuda", dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, device="cuda", dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda *t: gn.groupnorm_cuda(t[0], t[1], t[2], 3), (x, w, b))
+
+
+@cuda
+def test_gpu_double_backward_is_refused():
+    x = make_input((2, 8, 5, 5), torch.float32, "contiguous", "cuda").requires_grad_()
+    (dx,) = torch.autograd.grad(gn.groupnorm_cuda(x, None, None, 2).square().sum(), x,
+                                create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        dx.sum().backward()
+    # the registered op (torch.compile / export) says so in its own words
+    y = torch.ops.groupnorm_inline.forward(x, None, None, 2, 1e-5)[0]
+    (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dx.sum().backward()
+
+
+@cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_opcheck(layout):
+    x = make_input((2, 32, 6, 7), torch.float32, layout, "cuda").requires_grad_()
+    w = torch.randn(32, device="cuda", requires_grad=True)
+    b = torch.randn(32, device="cuda", requires_grad=True)
+    for args in ((x, w, b, 4, 1e-5), (x, None, None, 8, 1e-3)):
+        torch.library.opcheck(torch.ops.groupnorm_inline.forward.default, args)
+
+
+class _Block(nn.Module):
+    """conv -> GroupNorm by this module's kernels (forward and backward) -> SiLU."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(16, 32, 3, padding=1)
+        self.norm = gn.GroupNorm(8, 32)
+
+    def forward(self, x):
+        y = gn.groupnorm_cuda(self.conv(x), self.norm.weight, self.norm.bias, 8)
+        return torch.nn.functional.silu(y)
+
+
+@cuda
+def test_gpu_torch_compile_fullgraph_forward_and_backward():
+    torch.manual_seed(0)
+    model = _Block().cuda()
+    x = torch.randn(2, 16, 12, 12, device="cuda")
+    eager_out = model(x)
+    eager_out.square().sum().backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    compiled = torch.compile(model, fullgraph=True)
+    out = compiled(x)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, eager_out, rtol=1e-4, atol=1e-4)
+    for p, g in zip(model.parameters(), eager_grads):
+        torch.testing.assert_close(p.grad, g, rtol=1e-3, atol=1e-4)
+
+
+@cuda
+def test_gpu_torch_export():
+    model = _Block().cuda().eval()
+    x = torch.randn(2, 16, 12, 12, device="cuda")
+    exported = torch.export.export(model, (x,))
+    assert "groupnorm_inline" in str(exported.graph)
+    torch.testing.assert_close(exported.module()(x), model(x), rtol=1e-5, atol=1e-5)
+
+
 @cuda
 def test_gpu_group_norm_and_module_take_cuda_path_and_match_torch():
     x = make_input((2, 64, 16, 16), torch.bfloat16, "channels_last", "cuda")
@@ -552,9 +715,12 @@ def test_gpu_group_norm_and_module_take_cuda_path_and_match_torch():
         torch_err = gn.max_error(reference(x), ref)
     assert gn.max_error(out, ref) <= tolerance(x, ref, x.dtype, torch_err, layer.weight)
     assert out.is_contiguous(memory_format=torch.channels_last)
-    # autograd still works (torch's group_norm computes gradients)
+    # with gradients group_norm hands over to torch; groupnorm_cuda keeps its kernels
     x32 = make_input((2, 8, 5, 5), torch.float32, "contiguous", "cuda").requires_grad_()
-    gn.group_norm(x32, 2).sum().backward()
+    assert "NativeGroupNorm" in str(gn.group_norm(x32, 2).grad_fn)
+    y32 = gn.groupnorm_cuda(x32, None, None, 2)
+    assert "GroupNormFunction" in str(y32.grad_fn)
+    y32.sum().backward()
     assert x32.grad is not None
 
 
