@@ -152,6 +152,35 @@ def run_case(name, shape, groups, dtype, layout, copy_bw, budget):
     }
 
 
+def run_training_case(name, shape, groups, dtype, layout, copy_bw, budget):
+    """Forward + backward (dx, dweight, dbias) per provider. Floor: x read and
+    y written by the forward, x and dy read and dx written by the backward."""
+    inputs = make_inputs(shape, dtype, layout, budget // 3)
+    C = shape[1]
+    w = torch.randn(C, device="cuda", dtype=dtype, requires_grad=True)
+    b = torch.randn(C, device="cuda", dtype=dtype, requires_grad=True)
+    xs = [t.requires_grad_() for t in inputs]
+    dy = torch.randn_like(xs[0])
+
+    def step(fn):
+        return rotating(lambda t: torch.autograd.grad(fn(t), (t, w, b), dy), xs)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda t: F.group_norm(t, groups, w, b), dynamic=False)
+    ms = median_ms(step(lambda t: gn.groupnorm_cuda(t, w, b, groups)))
+    eager = median_ms(step(lambda t: F.group_norm(t, groups, w, b)))
+    comp = median_ms(step(compiled))
+    nbytes = 5 * xs[0].numel() * xs[0].element_size()
+    del inputs, xs, dy
+    torch.cuda.empty_cache()
+    return {
+        "name": name, "shape": list(shape), "G": groups, "dtype": str(dtype).replace("torch.", ""),
+        "layout": layout, "pass": "forward+backward", "bytes": nbytes,
+        "floor_ms": nbytes / copy_bw * 1e3,
+        "ms": {"groupnorm_inline": ms, "eager": eager, "compile": comp},
+    }
+
+
 def pct(row, provider):
     return 100 * row["floor_ms"] / row["ms"][provider]
 
@@ -161,7 +190,7 @@ def markdown(rows, meta):
         f"Card: {meta['device']} · torch {meta['torch']} · CUDA {meta['cuda']} · {meta['date']} · "
         f"copy bandwidth {meta['copy_GBps']:.0f} GB/s (read + write, measured in this run)",
         "",
-        "| case | shape | G | dtype | layout | ours ms | eager ms | compile ms | ours GB/s | "
+        f"| case{' (forward + backward)' if rows and rows[0].get('pass') else ''} | shape | G | dtype | layout | ours ms | eager ms | compile ms | ours GB/s | "
         "% of copy BW (ours / eager / compile) | × eager | × compile |",
         "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -214,6 +243,8 @@ def main():
     parser.add_argument("--json", help="write raw rows here")
     parser.add_argument("--markdown", help="write the table here")
     parser.add_argument("--png", help="write a chart here (needs matplotlib)")
+    parser.add_argument("--training", action="store_true",
+                        help="time forward + backward instead of the forward alone")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench: no CUDA device visible")
@@ -235,17 +266,20 @@ def main():
     for case in SUITE:
         if args.quick and case[0] not in QUICK:
             continue
-        row = run_case(*case, copy_bw, budget)
+        row = (run_training_case if args.training else run_case)(*case, copy_bw, budget)
         rows.append(row)
         ms = row["ms"]
+        detail = "" if args.training else \
+            f"  err {row['max_abs_err_vs_float64']:.1e}  [{row['plan']}]"
         print(f"{row['name']:>20} {'x'.join(map(str, row['shape'])):>16} G={row['G']:<3} {row['dtype']:>8} "
-              f"{row['layout']:>13}  ours {ms['groupnorm_inline']:8.4f} ({row['ms_repeat']:8.4f})  "
-              f"eager {ms['eager']:8.4f}  compile {ms['compile']:8.4f}  floor {row['floor_ms']:8.4f}  "
-              f"{pct(row, 'groupnorm_inline'):5.1f}%  err {row['max_abs_err_vs_float64']:.1e}  "
-              f"[{row['plan']}]", flush=True)
-    meta["python_overhead_us"] = python_overhead_us()
-    meta["extra_memory_bytes"] = extra_memory_bytes((112, 64, 512, 512), 8, torch.float32) \
-        if not args.quick else extra_memory_bytes((1, 128, 512, 512), 32, torch.bfloat16)
+              f"{row['layout']:>13}  {'fwd+bwd' if args.training else 'forward'} "
+              f"ours {ms['groupnorm_inline']:8.4f}  eager {ms['eager']:8.4f}  "
+              f"compile {ms['compile']:8.4f}  floor {row['floor_ms']:8.4f}  "
+              f"{pct(row, 'groupnorm_inline'):5.1f}%{detail}", flush=True)
+    if not args.training:
+        meta["python_overhead_us"] = python_overhead_us()
+        meta["extra_memory_bytes"] = extra_memory_bytes((112, 64, 512, 512), 8, torch.float32) \
+            if not args.quick else extra_memory_bytes((1, 128, 512, 512), 32, torch.bfloat16)
     table = markdown(rows, meta)
     print()
     print(table)

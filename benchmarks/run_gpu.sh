@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU session's worth of evidence: build, the full test suite, the
 # self-check and the benchmark, each logged under $OUT (default: gpu-logs/).
-#   bash benchmarks/run_gpu.sh [tests] [selfcheck] [bench] [quick]   (default: all three)
+#   bash benchmarks/run_gpu.sh [tests] [selfcheck] [bench] [training] [quick]
+#   (default: tests selfcheck bench)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
@@ -18,6 +19,8 @@ for step in $steps; do
     selfcheck) python3 groupnorm_inline.py 2>&1 | tee "$OUT/selfcheck.log" || status=1 ;;
     bench) python3 benchmarks/bench_groupnorm.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
              --png "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
+    training) python3 benchmarks/bench_groupnorm.py --training --json "$OUT/training.json" \
+             --markdown "$OUT/training.md" 2>&1 | tee "$OUT/training.log" || status=1 ;;
     quick) python3 benchmarks/bench_groupnorm.py --quick --markdown "$OUT/bench.md" 2>&1 | tee "$OUT/bench.log" || status=1 ;;
   esac
 done
