@@ -199,7 +199,10 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
         raise ValueError(f"groupnorm_cuda: x must be a CUDA tensor, got one on {x.device}; "
                          "group_norm() also takes CPU tensors")
     _check_scalars(groups, eps)
-    if kernel == "auto" and team == 0 and _needs_op(x, gamma, beta):
+    if _needs_op(x, gamma, beta):
+        if kernel != "auto" or team != 0:
+            raise ValueError("groupnorm_cuda: kernel/team overrides are for forward-only tests; "
+                             "they record no gradients")
         if torch.compiler.is_compiling():
             return torch.ops.groupnorm_inline.forward(x, gamma, beta, groups, float(eps))[0]
         return _GroupNormFunction.apply(x, gamma, beta, groups, float(eps))
@@ -332,13 +335,20 @@ def _setup_context(ctx, inputs, output):
     ctx.groups = groups
 
 
-def _backward_formula(ctx, dy, _dmean, _drstd):
-    x, weight, mean, rstd = ctx.saved_tensors
-    need_dx, need_weight, need_bias = ctx.needs_input_grad[:3]
-    dx, dweight, dbias = torch.ops.groupnorm_inline.backward(
-        dy, x, mean, rstd, weight, ctx.groups, need_dx, need_weight or need_bias)
+def _input_grads(backward, dy, saved, groups, needs):
+    """Gradients for (x, weight, bias, groups, eps) from a backward entry point:
+    the registered op or the extension itself."""
+    x, weight, mean, rstd = saved
+    need_dx, need_weight, need_bias = needs[:3]
+    dx, dweight, dbias = backward(dy, x, mean, rstd, weight, groups, need_dx,
+                                  need_weight or need_bias)
     return (dx if need_dx else None, dweight if need_weight else None,
             dbias if need_bias else None, None, None)
+
+
+def _backward_formula(ctx, dy, _dmean, _drstd):
+    return _input_grads(torch.ops.groupnorm_inline.backward, dy, ctx.saved_tensors, ctx.groups,
+                        ctx.needs_input_grad)
 
 
 class _GroupNormFunction(torch.autograd.Function):
@@ -355,12 +365,8 @@ class _GroupNormFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy):
-        x, weight, mean, rstd = ctx.saved_tensors
-        need_dx, need_weight, need_bias = ctx.needs_input_grad[:3]
-        dx, dweight, dbias = load().backward(dy, x, mean, rstd, weight, ctx.groups, need_dx,
-                                             need_weight or need_bias)
-        return (dx if need_dx else None, dweight if need_weight else None,
-                dbias if need_bias else None, None, None)
+        return _input_grads(load().backward, dy, ctx.saved_tensors, ctx.groups,
+                            ctx.needs_input_grad)
 
 
 def _no_double_backward(ctx, *grads):

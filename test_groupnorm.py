@@ -495,6 +495,8 @@ def test_gpu_bad_input_errors():
         (lambda: gn.groupnorm_cuda(x, None, None, 2, -1.0), ValueError, "eps"),
         (lambda: gn.groupnorm_cuda(x, None, None, 2, float("inf")), ValueError, "eps"),
         (lambda: gn.groupnorm_cuda(x, None, None, 2, kernel="fast"), ValueError, "unknown kernel"),
+        (lambda: gn.groupnorm_cuda(x.detach().requires_grad_(), None, None, 2, kernel="reference"),
+         ValueError, "no gradients"),
     ]
     before = x.clone()
     for call, exc, fragment in cases:
