@@ -509,10 +509,14 @@ def test_gpu_bad_input_errors():
 @cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_gpu_second_device():
-    x = make_input((2, 32, 9, 9), torch.float32, "contiguous", "cuda:1")
-    w, b = affine(32, torch.float32, "cuda:1", "both")
-    y = check_against_reference(x, 4, w, b)
-    assert y.device == x.device
+    # the current device stays cuda:0: the kernels must follow the tensors
+    assert torch.cuda.current_device() == 0
+    for layout in LAYOUTS:
+        x = make_input((2, 64, 33, 35), torch.float32, layout, "cuda:1")
+        w, b = affine(64, torch.float32, "cuda:1", "both")
+        y = check_against_reference(x, 4, w, b)
+        assert y.device == x.device
+        check_backward(x, 4, w, b, torch.randn_like(x))
 
 
 @cuda
