@@ -136,7 +136,9 @@ def load():
     name = extension_name(arch)
     build_dir = cpp_extension._get_build_directory(name, verbose=False)
     built = os.path.join(build_dir, name + (".pyd" if os.name == "nt" else ".so"))
-    if os.path.exists(built):
+    # torch holds build_dir/lock while it builds: a library seen then may be
+    # half written, so wait for the build through load_inline instead.
+    if os.path.exists(built) and not os.path.exists(os.path.join(build_dir, "lock")):
         spec = importlib.util.spec_from_file_location(name, built)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -171,6 +173,7 @@ def load():
 # ---------------------------------------------------------------------------
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _check_scalars(num_groups, eps):
@@ -250,10 +253,12 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
         raise TypeError(f"group_norm: input must be a torch.Tensor, got {type(input).__name__}")
     _check_scalars(num_groups, eps)
     if input.is_cuda and torch.is_autocast_enabled("cuda"):
-        input = input.float()
-        weight = weight.float() if weight is not None else None
-        bias = bias.float() if bias is not None else None
-    if input.dim() >= 2 and _single_value_per_channel(input):
+        # torch's float32 autocast policy: half-precision tensors become
+        # float32, float64 ones stay as they are
+        input, weight, bias = (t.float() if t is not None and t.dtype in _HALF_DTYPES else t
+                               for t in (input, weight, bias))
+    if (input.dim() >= 2 and num_groups > 0 and input.shape[1] % num_groups == 0
+            and _single_value_per_channel(input, num_groups)):
         raise ValueError("group_norm: expected more than 1 value per channel, got input of "
                          f"size {list(input.shape)}")
     if _takes_cuda_path(input, weight, bias) and not _needs_grad(input, weight, bias):
@@ -270,10 +275,10 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     return F.group_norm(input, num_groups, weight, bias, eps)
 
 
-def _single_value_per_channel(input):
-    """torch.nn.functional.group_norm refuses inputs with one value per channel
-    (N * prod(spatial) == 1); so does group_norm, for the same semantics."""
-    count = input.shape[0] if input.dim() else 0
+def _single_value_per_channel(input, num_groups):
+    """torch.nn.functional.group_norm refuses inputs whose (N * C / G) x spatial
+    extent is a single value; so does group_norm, for the same semantics."""
+    count = input.shape[0] * (input.shape[1] // num_groups)
     for size in input.shape[2:]:
         count *= size
     return count == 1

@@ -138,7 +138,7 @@ BAD_INPUTS = [
     ("inf eps", lambda: (torch.randn(2, 6, 4), 2, None, None, float("inf")), ValueError, "eps"),
     ("eps not a number", lambda: (torch.randn(2, 6, 4), 2, None, None, "1e-5"), TypeError, "eps"),
     ("input not a tensor", lambda: ([[1.0]], 1, None, None, 1e-5), TypeError, "Tensor"),
-    ("one value per channel", lambda: (torch.randn(1, 4, 1, 1), 2, None, None, 1e-5), ValueError,
+    ("one value per channel", lambda: (torch.randn(1, 4, 1, 1), 4, None, None, 1e-5), ValueError,
      "more than 1 value"),
 ]
 
@@ -153,6 +153,19 @@ def test_cpu_bad_input_raises_clear_error(case):
     assert fragment in str(info.value)
     if before is not None:
         assert torch.equal(args[0], before), "input was modified"
+
+
+def test_cpu_one_value_per_group_channel_block_matches_torch():
+    # torch refuses only when N * C / G * prod(spatial) == 1
+    for shape, groups in (((1, 64, 1, 1), 32), ((1, 64), 32), ((1, 8, 1), 8)):
+        x = torch.randn(shape)
+        try:
+            expected = F.group_norm(x, groups)
+        except ValueError:
+            with pytest.raises(ValueError, match="more than 1 value"):
+                gn.group_norm(x, groups)
+        else:
+            torch.testing.assert_close(gn.group_norm(x, groups), expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("bad", ["shape", "dtype"])
@@ -728,6 +741,19 @@ def test_gpu_group_norm_and_module_take_cuda_path_and_match_torch():
     assert "GroupNormFunction" in str(y32.grad_fn)
     y32.sum().backward()
     assert x32.grad is not None
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64],
+                         ids=["float16", "bfloat16", "float32", "float64"])
+def test_gpu_autocast_dtype_like_torch(dtype):
+    x = make_input((2, 16, 5, 5), dtype, "contiguous", "cuda")
+    w, b = affine(16, dtype, "cuda", "both")
+    with torch.no_grad(), torch.autocast("cuda"):
+        ours = gn.group_norm(x, 4, w, b)
+        theirs = F.group_norm(x, 4, w, b)
+    assert ours.dtype == theirs.dtype
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
 @cuda
