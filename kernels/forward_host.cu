@@ -203,7 +203,8 @@ void plan_teams(Plan& p, const void* kernel, int device, int64_t items, size_t i
   TORCH_CHECK(
       overhead + 16 <= size_t(dev.smem_per_block),
       message("groupnorm: ", stat_groups, " groups need more shared memory than a block has"));
-  const int64_t most_items = int64_t((dev.smem_per_block - overhead) / item_bytes);
+  // shared_bytes() rounds the slice up to 16 bytes: stay under the limit after that.
+  const int64_t most_items = int64_t((dev.smem_per_block - overhead) / 16 * 16 / item_bytes);
   const int64_t min_items = std::max<int64_t>(1, kMinSliceBytes / int64_t(item_bytes));
   const auto smem_for = [&](int64_t kept_items) {
     return shared_bytes(kept_items * item_bytes, red_entries, stat_groups, acc);
