@@ -44,7 +44,7 @@ _EMBEDDED_SOURCES = None  # replaced by `bundle`
 _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in globals() else None
 _CUDA_ROOT = "extension.cu"          # includes every other .cu/.cuh it needs
 _CPP_DECLARATIONS = "bindings.cpp"   # what load_inline binds to Python
-_FUNCTIONS = ["forward", "plan", "backward"]
+_FUNCTIONS = ["forward", "plan", "backward", "backward_plan"]
 _CUDA_FLAGS = ["-O3"]   # torch adds its own -std (C++17 or C++20 by version)
 _DEFAULT_ARCH = "9.0"                # used when no GPU is visible (CI compiles this way)
 _LOCAL_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -212,8 +212,12 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
     return load().forward(x, gamma, beta, groups, float(eps), kernel, team)[0]
 
 
-def plan(x, groups, *, kernel="auto", team=0):
-    """The kernel groupnorm_cuda would run for x, and why, as one line of text."""
+def plan(x, groups, *, kernel="auto", team=0, backward=False):
+    """The kernel groupnorm_cuda would run for x, and why, as one line of text;
+    with backward=True, how the backward would tile x (and a grad_output laid
+    out like it)."""
+    if backward:
+        return load().backward_plan(x, groups)
     return load().plan(x, groups, kernel, team)
 
 

@@ -618,6 +618,38 @@ def test_gpu_backward_matches_float64_reference(case, layout, dtype):
     check_backward(x, groups, w, b, dy_t)
 
 
+# One case per backward tiling (the plan text names it, so a case that stops
+# taking its path fails instead of passing on another one).
+BACKWARD_TILINGS = [
+    ((1, 8, 256, 256), 2, torch.float32, "contiguous", "vec=4 chunks=8 "),  # rows cut into chunks
+    ((3, 40, 8, 8), 4, torch.bfloat16, "contiguous", "(a warp per row)"),
+    ((2, 64, 33, 35), 4, torch.float32, "contiguous", "vec=1 chunks=1 "),  # odd rows, one CTA each
+    ((1, 32, 256, 128), 4, torch.bfloat16, "channels_last", "chunks=64 "),  # lanes split chunks
+    ((2, 2304, 5, 7), 48, torch.float32, "channels_last", "cblocks=3 "),  # column blocks
+    ((2, 515, 6, 6), 5, torch.float16, "channels_last", "vec=1 "),  # odd C: scalar access
+]
+
+
+@cuda
+@pytest.mark.parametrize("case", BACKWARD_TILINGS, ids=[f"{c[3]}-{shape_id(c[:2])}"
+                                                       for c in BACKWARD_TILINGS])
+def test_gpu_backward_tilings(case):
+    shape, groups, dtype, layout, expected = case
+    x = make_input(shape, dtype, layout, "cuda")
+    assert expected in gn.plan(x, groups, backward=True)
+    w, b = affine(shape[1], dtype, "cuda", "both")
+    check_backward(x, groups, w, b, make_input(shape, dtype, layout, "cuda"))
+
+
+@cuda
+def test_gpu_backward_misaligned_grad_output():
+    x = make_input((2, 64, 16, 16), torch.float16, "contiguous", "cuda")
+    assert "vec=8 " in gn.plan(x, 4, backward=True)
+    dy = torch.randn(x.numel() + 1, device="cuda", dtype=x.dtype)[1:].view(x.shape)
+    w, b = affine(64, x.dtype, "cuda", "both")
+    check_backward(x, 4, w, b, dy)
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_gpu_backward_shifted_inputs(dtype):
@@ -774,6 +806,32 @@ def test_gpu_more_than_2_31_elements():
             err = (y[n, 2 * g:2 * g + 2].double() - expected).abs().max().item()
             assert err <= 0.04, (n, g, err)  # bfloat16 output: half an ulp at |y| ~ 6
             del xs, expected
+
+
+@cuda
+def test_gpu_backward_more_than_2_31_elements():
+    free, _ = torch.cuda.mem_get_info()
+    if free < 60 * 2**30:
+        pytest.skip("needs 60 GiB of free GPU memory")
+    shape = (2, 4, 2**28 + 64)  # 2^31 + 512 elements, bfloat16 = 4 GiB per tensor
+    x = torch.randn(shape, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    y = gn.groupnorm_cuda(x, None, None, 2)
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    del y
+    # dx = rstd * (dy - mean(dy) - xhat * mean(dy * xhat)) per (sample, group), in float64
+    for n in range(2):
+        for g in range(2):
+            xs = x[n, 2 * g:2 * g + 2].detach().double()
+            rstd = 1 / torch.sqrt(xs.var(unbiased=False) + 1e-5)
+            xhat = (xs - xs.mean()) * rstd
+            del xs
+            g_ = dy[n, 2 * g:2 * g + 2].double()
+            expected = rstd * (g_ - g_.mean() - xhat * (g_ * xhat).mean())
+            del xhat, g_
+            err = (dx[n, 2 * g:2 * g + 2].double() - expected).abs().max().item()
+            assert err <= 0.04, (n, g, err)  # bfloat16 output
+            del expected
 
 
 @cuda

@@ -165,19 +165,35 @@ def run_training_case(name, shape, groups, dtype, layout, copy_bw, budget):
     def step(fn):
         return rotating(lambda t: torch.autograd.grad(fn(t), (t, w, b), dy), xs)
 
+    def backward_only(fn):
+        """The backward alone: graphs recorded once, replayed (retain_graph)."""
+        ys = {id(t): fn(t) for t in xs}
+        try:
+            return median_ms(rotating(lambda t: torch.autograd.grad(ys[id(t)], (t, w, b), dy,
+                                                                    retain_graph=True), xs))
+        except RuntimeError as error:  # a provider that cannot replay its graph: no number
+            print(f"backward alone not measurable: {str(error).splitlines()[0]}")
+            return float("nan")
+        finally:
+            del ys
+
     torch._dynamo.reset()
     compiled = torch.compile(lambda t: F.group_norm(t, groups, w, b), dynamic=False)
-    ms = median_ms(step(lambda t: gn.groupnorm_cuda(t, w, b, groups)))
-    eager = median_ms(step(lambda t: F.group_norm(t, groups, w, b)))
-    comp = median_ms(step(compiled))
-    nbytes = 5 * xs[0].numel() * xs[0].element_size()
+    providers = {"groupnorm_inline": lambda t: gn.groupnorm_cuda(t, w, b, groups),
+                 "eager": lambda t: F.group_norm(t, groups, w, b), "compile": compiled}
+    ms = {k: median_ms(step(fn)) for k, fn in providers.items()}
+    bwd = {k: backward_only(fn) for k, fn in providers.items()}
+    element_bytes = xs[0].numel() * xs[0].element_size()
+    plan = gn.plan(xs[0].detach(), groups, backward=True)
     del inputs, xs, dy
     torch.cuda.empty_cache()
     return {
         "name": name, "shape": list(shape), "G": groups, "dtype": str(dtype).replace("torch.", ""),
-        "layout": layout, "pass": "forward+backward", "bytes": nbytes,
-        "floor_ms": nbytes / copy_bw * 1e3,
-        "ms": {"groupnorm_inline": ms, "eager": eager, "compile": comp},
+        "layout": layout, "pass": "forward+backward", "bytes": 5 * element_bytes,
+        "floor_ms": 5 * element_bytes / copy_bw * 1e3, "ms": ms,
+        # backward alone: reads x and dy, writes dx
+        "backward_ms": bwd, "backward_floor_ms": 3 * element_bytes / copy_bw * 1e3,
+        "backward_plan": plan,
     }
 
 
@@ -212,6 +228,20 @@ def markdown(rows, meta):
     if "extra_memory_bytes" in meta:
         lines.append(f"Extra memory beyond the output, KernelBench L1-35 shape: "
                      f"{meta['extra_memory_bytes']} bytes.")
+    if rows and "backward_ms" in rows[0]:
+        lines += ["", "Backward alone (graph recorded once; floor: read x and dy, write dx):", "",
+                  "| case | shape | dtype | layout | ours ms | eager ms | compile ms | "
+                  "% of floor (ours / eager / compile) | × eager | × compile |",
+                  "|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
+        for r in rows:
+            b = r["backward_ms"]
+            f = r["backward_floor_ms"]
+            lines.append(
+                f"| {r['name']} | {'×'.join(map(str, r['shape']))} | {r['dtype']} | {r['layout']} | "
+                f"{b['groupnorm_inline']:.4f} | {b['eager']:.4f} | {b['compile']:.4f} | "
+                f"{100 * f / b['groupnorm_inline']:.0f} / {100 * f / b['eager']:.0f} / "
+                f"{100 * f / b['compile']:.0f} | {b['eager'] / b['groupnorm_inline']:.2f} | "
+                f"{b['compile'] / b['groupnorm_inline']:.2f} |")
     return "\n".join(lines)
 
 
@@ -269,8 +299,14 @@ def main():
         row = (run_training_case if args.training else run_case)(*case, copy_bw, budget)
         rows.append(row)
         ms = row["ms"]
-        detail = "" if args.training else \
-            f"  err {row['max_abs_err_vs_float64']:.1e}  [{row['plan']}]"
+        if args.training:
+            b = row["backward_ms"]
+            detail = (f"  backward ours {b['groupnorm_inline']:.4f} eager {b['eager']:.4f} "
+                      f"compile {b['compile']:.4f} "
+                      f"({100 * row['backward_floor_ms'] / b['groupnorm_inline']:.0f}% of its floor)"
+                      f"  [{row['backward_plan']}]")
+        else:
+            detail = f"  err {row['max_abs_err_vs_float64']:.1e}  [{row['plan']}]"
         print(f"{row['name']:>20} {'x'.join(map(str, row['shape'])):>16} G={row['G']:<3} {row['dtype']:>8} "
               f"{row['layout']:>13}  {'fwd+bwd' if args.training else 'forward'} "
               f"ours {ms['groupnorm_inline']:8.4f}  eager {ms['eager']:8.4f}  "

@@ -3,119 +3,414 @@
 //   dx        = rstd * (g - sum(g) / M - xhat * sum(g * xhat) / M)
 //   dgamma[c] = sum over samples and positions of dy * xhat
 //   dbeta[c]  = sum over samples and positions of dy
-// One CTA per (sample, group) (grid-stride): sweep 1 reduces per channel
-// sum(dy) and sum(dy * xhat) (written as [N, C] partials, and folded into the
-// two group sums), sweep 2 writes dx. A second small kernel adds the partials
-// over samples in a fixed order. x and dy are read twice, dx written once;
-// mean and rstd come from the forward, so nothing else is saved.
+// Four launches, each spread over the whole GPU whatever N and G are (a few
+// large groups, as in a VAE decoder, must not leave SMs idle):
+//   1. sums:         per (sample, channel, chunk of positions): sum(dy) and
+//                    sum(dy * (x - mean)) -> partial pairs
+//   2. coefficients: one warp per (sample, group) adds the chunks in a fixed
+//                    order, writes the per-(sample, channel) affine partials
+//                    and the dx coefficients of every channel:
+//                    dx = alpha * dy - k1 - (x - mean) * k2
+//   3. affine:       dgamma, dbeta = sums over samples, in sample order
+//   4. dx:           elementwise over the same tiles as step 1, read x and dy,
+//                    write dx.
+// x and dy are read twice and dx written once: 5 passes against the 3-pass
+// floor, so at the copy rate this reaches 60 % of it. Step 4 walks the tiles
+// in reverse, so its first reads hit what step 1 left in L2; inputs that fit
+// in L2 are read from DRAM about once. mean and rstd come from the forward:
+// nothing else is saved. No atomics: results do not depend on timing.
 //
-// Layouts, with no copy: contiguous walks each channel's HxW run (one
-// block-wide reduction per channel); channels-last walks the group's rows of
-// D channels with a block of a multiple of D threads, so each thread keeps
-// one channel for the whole sweep.
+// Tiles (chosen by plan_backward on the host):
+//   contiguous    rows of HxW (one per (sample, channel)); a row of at most
+//                 kWarpRowVecs vectors goes to one warp (8 rows per CTA),
+//                 a longer one is cut into `chunks` pieces of `chunk` vectors,
+//                 one CTA each.
+//   channels-last per sample, `chunks` runs of `chunk` rows (positions) by
+//                 `cblocks` blocks of up to kBackwardThreads vector columns;
+//                 each thread keeps V channels for its whole run.
 #include "common.cuh"
 
 namespace groupnorm {
 
 constexpr int kBackwardThreads = 256;
+constexpr int kBackwardWarps = kBackwardThreads / kWarp;
+constexpr int kWarpRowVecs = 256;  // contiguous rows up to this many vectors: one warp each
+constexpr int kBackwardUnroll = 4;
 
-template <typename scalar_t, bool kChannelsLast>
-__global__ void __launch_bounds__(kBackwardThreads)
-    groupnorm_backward_kernel(const scalar_t* __restrict__ dy,  // like x
-                              const scalar_t* __restrict__ x,   // [N, C, HxW] or [N, HxW, C]
-                              const acc_t<scalar_t>* __restrict__ mean,   // [N, G]
-                              const acc_t<scalar_t>* __restrict__ rstd,   // [N, G]
-                              const scalar_t* __restrict__ gamma,         // [C] or nullptr
-                              scalar_t* __restrict__ dx,                  // like x, or nullptr
-                              acc_t<scalar_t>* __restrict__ dgamma_part,  // [N, C] or nullptr
-                              acc_t<scalar_t>* __restrict__ dbeta_part,   // [N, C] or nullptr
-                              int64_t N, int64_t HxW, int C, int G) {
+// Per (sample, channel): dx = alpha * dy - k1 - (x - mu) * k2, with
+// alpha = rstd * gamma[c], k1 = rstd * sum(g) / M, k2 = rstd^3 * sum(g * (x - mu)) / M.
+// Subtracting mu first keeps inputs far from zero (1000 + randn) accurate.
+template <typename A>
+struct alignas(4 * sizeof(A)) Coef {  // one 16-byte load for float
+  A alpha, mu, k1, k2;
+};
+
+// Where tile b of a launch lies. Shared by the sums and dx kernels so that
+// both walk the same pieces.
+struct BackwardTiles {
+  int64_t rows;       // contiguous: N * C rows; channels-last: N samples
+  int64_t row_items;  // vectors per row (contiguous) or positions per sample
+  int64_t chunk;      // items per chunk
+  int64_t chunks;     // chunks per row
+  int warp_rows;      // contiguous: 1 = one warp per row; 0 = one CTA per chunk
+  int block_cols;     // channels-last: vector columns per CTA
+  int cblocks;        // channels-last: column blocks per row
+  int64_t tiles;      // pieces of work (CTAs, if the grid is that large)
+};
+
+template <typename A>
+__device__ __forceinline__ void store_pair(A* partial, A s_dy, A s_dyx) {
+  partial[0] = s_dy;
+  partial[1] = s_dyx;
+}
+
+// ---------------------------------------------------------------------------
+// Contiguous (N, C, HxW).
+// ---------------------------------------------------------------------------
+
+// Sums of dy and dy * (x - mu) over [begin, end) of one row; `lane` of `width`
+// threads takes every width-th vector, kBackwardUnroll loads of each in flight.
+template <typename scalar_t, int V>
+__device__ __forceinline__ void row_sums(const scalar_t* dy, const scalar_t* x, int64_t begin,
+                                         int64_t end, int lane, int width, acc_t<scalar_t> mu,
+                                         acc_t<scalar_t>& s_dy, acc_t<scalar_t>& s_dyx) {
   using A = acc_t<scalar_t>;
-  __shared__ A red[kBackwardThreads];
-  __shared__ A sums[2][kBackwardThreads];  // channels-last: per-channel sums
-  const int D = C / G;
-  const int64_t M = int64_t(D) * HxW;
-  const int tid = threadIdx.x;
-  // Channels-last: the block is a whole number of rows of D channels.
-  const int active = kChannelsLast ? (int(blockDim.x) / D) * D : int(blockDim.x);
-
-  for (int64_t unit = blockIdx.x; unit < N * G; unit += gridDim.x) {
-    const int64_t n = unit / G;
-    const int c0 = int(unit % G) * D;
-    const A mu = mean[unit];
-    const A rs = rstd[unit];
-    A sum_g = 0, sum_gx = 0;  // over the group: g and g * xhat (same in every thread)
-
-    if constexpr (!kChannelsLast) {
-      for (int d = 0; d < D; ++d) {
-        const int64_t base = (n * C + c0 + d) * HxW;
-        A s_dy = 0, s_dyx = 0;
-        for (int64_t s = tid; s < HxW; s += blockDim.x) {
-          const A g = static_cast<A>(dy[base + s]);
-          s_dy += g;
-          s_dyx += g * (static_cast<A>(x[base + s]) - mu) * rs;
-        }
-        s_dy = block_sum(s_dy, red);
-        s_dyx = block_sum(s_dyx, red);
-        if (tid == 0 && dgamma_part != nullptr) {
-          dgamma_part[n * C + c0 + d] = s_dyx;
-          dbeta_part[n * C + c0 + d] = s_dy;
-        }
-        const A w = gamma != nullptr ? static_cast<A>(gamma[c0 + d]) : A(1);
-        sum_g += w * s_dy;
-        sum_gx += w * s_dyx;
+  using VecT = Vec<scalar_t, V>;
+  for (int64_t i0 = begin + lane; i0 < end; i0 += int64_t(kBackwardUnroll) * width) {
+    VecT g[kBackwardUnroll], v[kBackwardUnroll];
+#pragma unroll
+    for (int u = 0; u < kBackwardUnroll; ++u) {
+      const int64_t i = i0 + int64_t(u) * width;
+      if (i < end) {
+        g[u] = load_vec<scalar_t, V>(dy + i * V);
+        v[u] = load_vec<scalar_t, V>(x + i * V);
       }
-    } else {
-      const int d = tid % D;
+    }
+#pragma unroll
+    for (int u = 0; u < kBackwardUnroll; ++u) {
+      if (i0 + int64_t(u) * width < end) {
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const A d = static_cast<A>(g[u].val[e]);
+          s_dy += d;
+          s_dyx += d * (static_cast<A>(v[u].val[e]) - mu);
+        }
+      }
+    }
+  }
+}
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kBackwardThreads)
+    groupnorm_backward_sums_contiguous_kernel(const scalar_t* __restrict__ dy,  // [N * C, HxW]
+                                              const scalar_t* __restrict__ x,   // [N * C, HxW]
+                                              const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+                                              acc_t<scalar_t>* __restrict__ partial,  // [N*C, chunks, 2]
+                                              BackwardTiles t, int C, int D) {
+  using A = acc_t<scalar_t>;
+  __shared__ A scratch[kBackwardWarps];
+  const int G = C / D;
+  const auto mean_of = [&](int64_t row) { return mean[(row / C) * G + (row % C) / D]; };
+  for (int64_t b = blockIdx.x; b < t.tiles; b += gridDim.x) {
+    if (t.warp_rows) {
+      const int64_t row = b * kBackwardWarps + threadIdx.x / kWarp;
+      if (row >= t.rows) continue;  // no block barrier in this branch
+      const int lane = threadIdx.x % kWarp;
       A s_dy = 0, s_dyx = 0;
-      if (tid < active) {
-        const int64_t base = n * HxW * C + c0 + d;
-        for (int64_t r = tid / D; r < HxW; r += active / D) {
-          const A g = static_cast<A>(dy[base + r * C]);
-          s_dy += g;
-          s_dyx += g * (static_cast<A>(x[base + r * C]) - mu) * rs;
-        }
-        red[tid] = s_dy;
-        sums[1][tid] = s_dyx;
-      }
-      __syncthreads();
-      // Column d of the [active / D][D] tables, one warp per channel.
-      reduce_groups(red, active / D, D, D, 1, sums[0] + 0);
-      __syncthreads();
-      reduce_groups(sums[1], active / D, D, D, 1, red);  // red[d] = sum dy * xhat
-      for (int e = 0; e < D; ++e) {
-        const A w = gamma != nullptr ? static_cast<A>(gamma[c0 + e]) : A(1);
-        sum_g += w * sums[0][e];
-        sum_gx += w * red[e];
-      }
-      if (dgamma_part != nullptr) {
-        for (int e = tid; e < D; e += blockDim.x) {
-          dgamma_part[n * C + c0 + e] = red[e];
-          dbeta_part[n * C + c0 + e] = sums[0][e];
-        }
-      }
+      row_sums<scalar_t, V>(dy + row * t.row_items * V, x + row * t.row_items * V, 0, t.row_items,
+                            lane, kWarp, mean_of(row), s_dy, s_dyx);
+      s_dy = warp_sum(s_dy);
+      s_dyx = warp_sum(s_dyx);
+      if (lane == 0) store_pair(partial + row * 2, s_dy, s_dyx);
+    } else {
+      const int64_t row = b / t.chunks;
+      const int64_t k = b % t.chunks;
+      const int64_t begin = k * t.chunk;
+      A s_dy = 0, s_dyx = 0;
+      row_sums<scalar_t, V>(dy + row * t.row_items * V, x + row * t.row_items * V, begin,
+                            min(t.row_items, begin + t.chunk), threadIdx.x, blockDim.x,
+                            mean_of(row), s_dy, s_dyx);
+      s_dy = block_sum(s_dy, scratch);
+      s_dyx = block_sum(s_dyx, scratch);
+      if (threadIdx.x == 0) store_pair(partial + b * 2, s_dy, s_dyx);
     }
+  }
+}
 
-    if (dx != nullptr) {
-      const A mean_g = sum_g / A(M);
-      const A mean_gx = sum_gx / A(M);
-      for (int64_t e = tid; e < M; e += blockDim.x) {
-        int c;
-        int64_t offset;
-        if constexpr (kChannelsLast) {
-          c = c0 + int(e % D);
-          offset = n * HxW * C + (e / D) * C + c;
-        } else {
-          c = c0 + int(e / HxW);
-          offset = (n * C + c0) * HxW + e;
-        }
-        const A w = gamma != nullptr ? static_cast<A>(gamma[c]) : A(1);
-        const A xhat = (static_cast<A>(x[offset]) - mu) * rs;
-        const A g = static_cast<A>(dy[offset]) * w;
-        dx[offset] = static_cast<scalar_t>(rs * (g - mean_g - xhat * mean_gx));
+template <typename scalar_t, int V>
+__device__ __forceinline__ void row_dx(const scalar_t* dy, const scalar_t* x, scalar_t* dx,
+                                       int64_t begin, int64_t end, int lane, int width,
+                                       const Coef<acc_t<scalar_t>>& k) {
+  using A = acc_t<scalar_t>;
+  using VecT = Vec<scalar_t, V>;
+  for (int64_t i0 = begin + lane; i0 < end; i0 += int64_t(kBackwardUnroll) * width) {
+    VecT g[kBackwardUnroll], v[kBackwardUnroll];
+#pragma unroll
+    for (int u = 0; u < kBackwardUnroll; ++u) {
+      const int64_t i = i0 + int64_t(u) * width;
+      if (i < end) {
+        g[u] = load_vec<scalar_t, V>(dy + i * V);
+        v[u] = load_vec<scalar_t, V>(x + i * V);
       }
     }
-    __syncthreads();  // shared tables are reused by the next unit
+#pragma unroll
+    for (int u = 0; u < kBackwardUnroll; ++u) {
+      const int64_t i = i0 + int64_t(u) * width;
+      if (i < end) {
+        VecT out;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const A d = static_cast<A>(g[u].val[e]);
+          out.val[e] =
+              static_cast<scalar_t>(k.alpha * d - k.k1 - (static_cast<A>(v[u].val[e]) - k.mu) * k.k2);
+        }
+        store_vec_streaming<scalar_t, V>(dx + i * V, out);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kBackwardThreads)
+    groupnorm_backward_dx_contiguous_kernel(const scalar_t* __restrict__ dy,  // [N * C, HxW]
+                                            const scalar_t* __restrict__ x,   // [N * C, HxW]
+                                            const Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N*C]
+                                            scalar_t* __restrict__ dx,  // [N * C, HxW]
+                                            BackwardTiles t) {
+  for (int64_t i = blockIdx.x; i < t.tiles; i += gridDim.x) {
+    const int64_t b = t.tiles - 1 - i;  // reverse: the sums kernel's last tiles are in L2
+    if (t.warp_rows) {
+      const int64_t row = b * kBackwardWarps + threadIdx.x / kWarp;
+      if (row >= t.rows) continue;
+      const int64_t offset = row * t.row_items * V;
+      row_dx<scalar_t, V>(dy + offset, x + offset, dx + offset, 0, t.row_items,
+                          threadIdx.x % kWarp, kWarp, coef[row]);
+    } else {
+      const int64_t row = b / t.chunks;
+      const int64_t begin = (b % t.chunks) * t.chunk;
+      const int64_t offset = row * t.row_items * V;
+      row_dx<scalar_t, V>(dy + offset, x + offset, dx + offset, begin,
+                          min(t.row_items, begin + t.chunk), threadIdx.x, blockDim.x, coef[row]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Channels-last (N, HxW, C). Thread (trow, col) of a CTA walks rows
+// first + trow, first + trow + trows, ... of its chunk at vector column
+// cb * block_cols + col.
+// ---------------------------------------------------------------------------
+struct ChannelsLastTile {
+  int64_t n, first_row, end_row;
+  int col;      // vector column of this thread (valid if active)
+  int trow;     // row lane of this thread
+  int trows;    // row lanes of the CTA
+  bool active;  // has a column and a row lane
+  int col_in_block, cols_here;
+
+  __device__ ChannelsLastTile(const BackwardTiles& t, int64_t b, int C, int V) {
+    n = b / (t.chunks * t.cblocks);
+    const int64_t rest = b % (t.chunks * t.cblocks);
+    const int64_t k = rest / t.cblocks;
+    const int cb = int(rest % t.cblocks);
+    first_row = k * t.chunk;
+    end_row = min(t.row_items, first_row + t.chunk);
+    trows = kBackwardThreads / t.block_cols;
+    col_in_block = threadIdx.x % t.block_cols;
+    trow = threadIdx.x / t.block_cols;
+    col = cb * t.block_cols + col_in_block;
+    cols_here = min(t.block_cols, C / V - cb * t.block_cols);
+    active = trow < trows && col_in_block < cols_here;
+  }
+};
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kBackwardThreads)
+    groupnorm_backward_sums_channels_last_kernel(
+        const scalar_t* __restrict__ dy,           // [N, HxW, C]
+        const scalar_t* __restrict__ x,            // [N, HxW, C]
+        const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+        acc_t<scalar_t>* __restrict__ partial,     // [N, chunks, C, 2]
+        BackwardTiles t, int C, int D) {
+  using A = acc_t<scalar_t>;
+  using VecT = Vec<scalar_t, V>;
+  // [trows][block_cols * V] per-thread sums, then added down each column.
+  __shared__ A red_dy[kBackwardThreads * V], red_dyx[kBackwardThreads * V];
+  const int G = C / D;
+  for (int64_t b = blockIdx.x; b < t.tiles; b += gridDim.x) {
+    const ChannelsLastTile tile(t, b, C, V);
+    A s_dy[V], s_dyx[V], mu[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      s_dy[e] = s_dyx[e] = 0;
+      mu[e] = tile.active ? mean[tile.n * G + (tile.col * V + e) / D] : A(0);
+    }
+    if (tile.active) {
+      const int64_t base = tile.n * t.row_items * C + int64_t(tile.col) * V;
+      for (int64_t r0 = tile.first_row + tile.trow; r0 < tile.end_row;
+           r0 += int64_t(kBackwardUnroll) * tile.trows) {
+        VecT g[kBackwardUnroll], v[kBackwardUnroll];
+#pragma unroll
+        for (int u = 0; u < kBackwardUnroll; ++u) {
+          const int64_t r = r0 + int64_t(u) * tile.trows;
+          if (r < tile.end_row) {
+            g[u] = load_vec<scalar_t, V>(dy + base + r * C);
+            v[u] = load_vec<scalar_t, V>(x + base + r * C);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kBackwardUnroll; ++u) {
+          if (r0 + int64_t(u) * tile.trows < tile.end_row) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+              const A d = static_cast<A>(g[u].val[e]);
+              s_dy[e] += d;
+              s_dyx[e] += d * (static_cast<A>(v[u].val[e]) - mu[e]);
+            }
+          }
+        }
+      }
+    }
+    __syncthreads();  // the tables may still be read for the previous tile
+    if (tile.trow < tile.trows) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const int entry = tile.trow * t.block_cols * V + tile.col_in_block * V + e;
+        red_dy[entry] = s_dy[e];
+        red_dyx[entry] = s_dyx[e];
+      }
+    }
+    __syncthreads();
+    const int width = tile.cols_here * V;
+    const int64_t k = (b % (t.chunks * t.cblocks)) / t.cblocks;
+    const int64_t c_first = int64_t(tile.col - tile.col_in_block) * V;
+    A* out = partial + ((tile.n * t.chunks + k) * C + c_first) * 2;
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+      A a = 0, q = 0;
+      for (int r = 0; r < tile.trows; ++r) {  // row-lane order: fixed
+        a += red_dy[r * t.block_cols * V + j];
+        q += red_dyx[r * t.block_cols * V + j];
+      }
+      store_pair(out + int64_t(j) * 2, a, q);
+    }
+  }
+}
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kBackwardThreads)
+    groupnorm_backward_dx_channels_last_kernel(const scalar_t* __restrict__ dy,  // [N, HxW, C]
+                                               const scalar_t* __restrict__ x,   // [N, HxW, C]
+                                               const Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N, C]
+                                               scalar_t* __restrict__ dx,  // [N, HxW, C]
+                                               BackwardTiles t, int C) {
+  using A = acc_t<scalar_t>;
+  using VecT = Vec<scalar_t, V>;
+  for (int64_t i = blockIdx.x; i < t.tiles; i += gridDim.x) {
+    const ChannelsLastTile tile(t, t.tiles - 1 - i, C, V);  // reverse, as the contiguous one
+    if (!tile.active) continue;
+    Coef<A> k[V];
+#pragma unroll
+    for (int e = 0; e < V; ++e) k[e] = coef[tile.n * C + int64_t(tile.col) * V + e];
+    const int64_t base = tile.n * t.row_items * C + int64_t(tile.col) * V;
+    for (int64_t r0 = tile.first_row + tile.trow; r0 < tile.end_row;
+         r0 += int64_t(kBackwardUnroll) * tile.trows) {
+      VecT g[kBackwardUnroll], v[kBackwardUnroll];
+#pragma unroll
+      for (int u = 0; u < kBackwardUnroll; ++u) {
+        const int64_t r = r0 + int64_t(u) * tile.trows;
+        if (r < tile.end_row) {
+          g[u] = load_vec<scalar_t, V>(dy + base + r * C);
+          v[u] = load_vec<scalar_t, V>(x + base + r * C);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kBackwardUnroll; ++u) {
+        const int64_t r = r0 + int64_t(u) * tile.trows;
+        if (r < tile.end_row) {
+          VecT out;
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            out.val[e] = static_cast<scalar_t>(k[e].alpha * static_cast<A>(g[u].val[e]) - k[e].k1 -
+                                               (static_cast<A>(v[u].val[e]) - k[e].mu) * k[e].k2);
+          }
+          store_vec_streaming<scalar_t, V>(dx + base + r * C, out);
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Both layouts.
+// ---------------------------------------------------------------------------
+
+// One warp per (sample, group). partial pair (n, c, k) is at
+// partial + (n * stride_n + c * stride_c + k * stride_k) * 2.
+template <typename scalar_t>
+__global__ void __launch_bounds__(kBackwardThreads)
+    groupnorm_backward_coefficients_kernel(const acc_t<scalar_t>* __restrict__ partial,
+                                           const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+                                           const acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
+                                           const scalar_t* __restrict__ gamma,  // [C] or nullptr
+                                           acc_t<scalar_t>* __restrict__ dgamma_part,  // [N, C] or nullptr
+                                           acc_t<scalar_t>* __restrict__ dbeta_part,   // [N, C] or nullptr
+                                           Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N, C] or nullptr
+                                           int64_t N, int C, int G, int64_t HxW, int64_t chunks,
+                                           int64_t stride_n, int64_t stride_c, int64_t stride_k) {
+  using A = acc_t<scalar_t>;
+  const int D = C / G;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t unit = int64_t(blockIdx.x) * kBackwardWarps + threadIdx.x / kWarp;
+  if (unit >= N * G) return;  // no block barrier in this kernel
+  const int64_t n = unit / G;
+  const int c0 = int(unit % G) * D;
+  const A mu = mean[unit];
+  const A rs = rstd[unit];
+  const A* base = partial + n * stride_n * 2;
+  const auto weight = [&](int c) { return gamma != nullptr ? static_cast<A>(gamma[c]) : A(1); };
+  const auto keep = [&](int c, A s_dy, A s_dyx) {
+    if (dgamma_part != nullptr) {
+      dgamma_part[n * C + c] = s_dyx * rs;
+      dbeta_part[n * C + c] = s_dy;
+    }
+  };
+  // sum(g) and sum(g * (x - mu)) over the group, in a fixed order.
+  A s1 = 0, s2 = 0;
+  if (chunks < kWarp) {  // few chunks: a lane per channel
+    for (int d = lane; d < D; d += kWarp) {
+      const A* p = base + int64_t(c0 + d) * stride_c * 2;
+      A s_dy = 0, s_dyx = 0;
+      for (int64_t k = 0; k < chunks; ++k) {
+        s_dy += p[k * stride_k * 2];
+        s_dyx += p[k * stride_k * 2 + 1];
+      }
+      keep(c0 + d, s_dy, s_dyx);
+      s1 += weight(c0 + d) * s_dy;
+      s2 += weight(c0 + d) * s_dyx;
+    }
+    s1 = warp_sum(s1);
+    s2 = warp_sum(s2);
+  } else {  // many chunks: the lanes split each channel's chunks
+    for (int d = 0; d < D; ++d) {
+      const A* p = base + int64_t(c0 + d) * stride_c * 2;
+      A s_dy = 0, s_dyx = 0;
+      for (int64_t k = lane; k < chunks; k += kWarp) {
+        s_dy += p[k * stride_k * 2];
+        s_dyx += p[k * stride_k * 2 + 1];
+      }
+      s_dy = warp_sum(s_dy);
+      s_dyx = warp_sum(s_dyx);
+      if (lane == 0) keep(c0 + d, s_dy, s_dyx);
+      s1 += weight(c0 + d) * s_dy;
+      s2 += weight(c0 + d) * s_dyx;
+    }
+  }
+  if (coef == nullptr) return;
+  const A M = A(D) * A(HxW);
+  const A k1 = rs * s1 / M;
+  const A k2 = rs * rs * rs * s2 / M;
+  for (int d = lane; d < D; d += kWarp) {
+    coef[n * C + c0 + d] = Coef<A>{rs * weight(c0 + d), mu, k1, k2};
   }
 }
 

@@ -1,8 +1,146 @@
-// Host side of the backward: checks, layout matching and launches.
+// Host side of the backward: checks, the tiling (plan_backward, the one place
+// that decides) and the four launches on the current stream.
 #include <ATen/ops/zeros.h>
 
 #include "backward.cu"
 #include "forward_host.cu"
+
+namespace groupnorm {
+
+// A piece of a row is never cut below this many bytes of each input: smaller
+// pieces add partial sums faster than they add parallelism.
+constexpr int64_t kMinChunkBytes = 32 * 1024;
+// Pieces per SM the tiling aims for when rows are few (about two waves of
+// resident CTAs): enough to fill the GPU, few enough partials to add up.
+constexpr int64_t kTilesPerSm = 16;
+constexpr int64_t kMaxChunks = 1024;
+
+struct BackwardPlan {
+  bool channels_last = false;
+  int vec = 1;
+  BackwardTiles tiles{};
+  int64_t grid = 0;
+};
+
+// addr: the addresses of x and dy OR-ed (both must allow the vector width).
+BackwardPlan plan_backward(const Shape& s, uintptr_t addr, int device) {
+  BackwardPlan p;
+  p.channels_last = s.channels_last;
+  BackwardTiles& t = p.tiles;
+  const int64_t target = int64_t(device_info(device).sms) * kTilesPerSm;
+  if (!s.channels_last) {
+    p.vec = widest_vector(s.elem, addr, {s.HxW});
+    t.rows = s.N * s.C;
+    t.row_items = s.HxW / p.vec;
+    if (t.row_items <= kWarpRowVecs) {
+      t.warp_rows = 1;
+      t.chunk = t.row_items;
+      t.chunks = 1;
+      t.tiles = (t.rows + kBackwardWarps - 1) / kBackwardWarps;
+    } else {
+      const int64_t min_chunk = std::max<int64_t>(kBackwardThreads, kMinChunkBytes / (p.vec * int64_t(s.elem)));
+      const int64_t most = std::max<int64_t>(1, std::min(kMaxChunks, t.row_items / min_chunk));
+      const int64_t want = std::min(most, std::max<int64_t>(1, (target + t.rows - 1) / t.rows));
+      t.chunk = (t.row_items + want - 1) / want;
+      t.chunks = (t.row_items + t.chunk - 1) / t.chunk;
+      t.tiles = t.rows * t.chunks;
+    }
+  } else {
+    p.vec = widest_vector(s.elem, addr, {s.C});
+    const int64_t cols = s.C / p.vec;
+    t.rows = s.N;
+    t.row_items = s.HxW;
+    t.block_cols = int(std::min<int64_t>(cols, kBackwardThreads));
+    t.cblocks = int((cols + t.block_cols - 1) / t.block_cols);
+    const int64_t trows = kBackwardThreads / t.block_cols;
+    const int64_t row_bytes = int64_t(t.block_cols) * p.vec * int64_t(s.elem);
+    const int64_t min_rows = std::max<int64_t>(trows, kMinChunkBytes / row_bytes);
+    const int64_t most = std::max<int64_t>(1, std::min(kMaxChunks, s.HxW / min_rows));
+    const int64_t per_sample = s.N * t.cblocks;
+    const int64_t want = std::min(most, std::max<int64_t>(1, (target + per_sample - 1) / per_sample));
+    t.chunk = (s.HxW + want - 1) / want;
+    t.chunks = (s.HxW + t.chunk - 1) / t.chunk;
+    t.tiles = s.N * t.chunks * t.cblocks;
+  }
+  p.grid = std::min(t.tiles, kMaxGrid);
+  return p;
+}
+
+std::string describe_backward_plan(const BackwardPlan& p) {
+  const BackwardTiles& t = p.tiles;
+  std::string text = std::string(p.channels_last ? "channels_last" : "contiguous") +
+                     " vec=" + std::to_string(p.vec) + " chunks=" + std::to_string(t.chunks) +
+                     " chunk=" + std::to_string(t.chunk) + " tiles=" + std::to_string(t.tiles);
+  if (p.channels_last) {
+    text += " cblocks=" + std::to_string(t.cblocks) + " cols=" + std::to_string(t.block_cols);
+  } else {
+    text += t.warp_rows ? " (a warp per row)" : " (a CTA per chunk)";
+  }
+  return text;
+}
+
+template <typename scalar_t>
+void run_backward(const BackwardPlan& p, const Shape& s, const scalar_t* dy, const scalar_t* x,
+                  const acc_t<scalar_t>* mean, const acc_t<scalar_t>* rstd, const scalar_t* gamma,
+                  scalar_t* dx, scalar_t* dgamma, scalar_t* dbeta, const at::Tensor& like,
+                  cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const BackwardTiles& t = p.tiles;
+  const int C = int(s.C), G = s.G, D = C / G;
+  const int64_t NC = s.N * s.C;
+  // One allocation for every temporary: chunk partials, the coefficient table
+  // and the per-sample affine partials.
+  const int64_t partial_count = 2 * NC * t.chunks;
+  const bool need_affine = dgamma != nullptr;
+  const int64_t bytes = int64_t(sizeof(Coef<A>)) * (dx ? NC : 0) +
+                        int64_t(sizeof(A)) * (partial_count + (need_affine ? 2 * NC : 0));
+  at::Tensor storage = at::empty({bytes}, like.options().dtype(at::kByte));
+  auto* base = storage.data_ptr<uint8_t>();
+  Coef<A>* coef = dx ? reinterpret_cast<Coef<A>*>(base) : nullptr;
+  A* partial = reinterpret_cast<A*>(base + (dx ? NC * sizeof(Coef<A>) : 0));
+  A* dgamma_part = need_affine ? partial + partial_count : nullptr;
+  A* dbeta_part = need_affine ? dgamma_part + NC : nullptr;
+
+  const unsigned grid = unsigned(p.grid);
+  with_vec<scalar_t, 16>(p.vec, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    if (p.channels_last) {
+      groupnorm_backward_sums_channels_last_kernel<scalar_t, V>
+          <<<grid, kBackwardThreads, 0, stream>>>(dy, x, mean, partial, t, C, D);
+    } else {
+      groupnorm_backward_sums_contiguous_kernel<scalar_t, V>
+          <<<grid, kBackwardThreads, 0, stream>>>(dy, x, mean, partial, t, C, D);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  const int64_t stride_n = s.C * t.chunks;
+  const int64_t stride_c = p.channels_last ? 1 : t.chunks;
+  const int64_t stride_k = p.channels_last ? s.C : 1;
+  const unsigned units_grid = unsigned((s.N * G + kBackwardWarps - 1) / kBackwardWarps);
+  groupnorm_backward_coefficients_kernel<scalar_t><<<units_grid, kBackwardThreads, 0, stream>>>(
+      partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, s.N, C, G, s.HxW, t.chunks,
+      stride_n, stride_c, stride_k);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (need_affine) {
+    groupnorm_backward_affine_kernel<scalar_t><<<unsigned((C + 255) / 256), 256, 0, stream>>>(
+        dgamma_part, dbeta_part, dgamma, dbeta, s.N, C);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  if (dx == nullptr) return;
+  with_vec<scalar_t, 16>(p.vec, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    if (p.channels_last) {
+      groupnorm_backward_dx_channels_last_kernel<scalar_t, V>
+          <<<grid, kBackwardThreads, 0, stream>>>(dy, x, coef, dx, t, C);
+    } else {
+      groupnorm_backward_dx_contiguous_kernel<scalar_t, V>
+          <<<grid, kBackwardThreads, 0, stream>>>(dy, x, coef, dx, t);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+}  // namespace groupnorm
 
 // Returns [dx, dweight, dbias]; each is an empty tensor when not asked for.
 // dy may have any strides: when they differ from x's it is copied into x's
@@ -31,15 +169,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
                       message("groupnorm backward: mean and rstd must be contiguous [", N, ", ",
                               groups, "] ", c10::toString(acc_dtype), " tensors on ", x.device()));
   }
-  const int D = int(C / groups);
-  // Channels-last walks rows of D channels with one block; wider groups (rare)
-  // take the contiguous walk on a copy.
-  at::Tensor xk = c.x;
-  bool channels_last = c.shape.channels_last;
-  if (channels_last && D > kBackwardThreads) {
-    xk = x.contiguous();
-    channels_last = false;
-  }
+  const at::Tensor& xk = c.x;
   at::Tensor dyk = dy;
   if (dy.strides() != xk.strides()) {
     dyk = at::empty_like(xk);
@@ -53,28 +183,27 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
     dbeta = N * HxW == 0 ? at::zeros({C}, affine_options) : at::empty({C}, affine_options);
   }
   if (x.numel() == 0) return {dx, dgamma, dbeta};
-  at::Tensor part = need_affine ? at::empty({2, N, C}, x.options().dtype(acc_dtype)) : at::Tensor();
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  const unsigned grid = unsigned(std::min<int64_t>(N * groups, kMaxGrid));
+  const BackwardPlan p = plan_backward(
+      c.shape, c.shape.x_addr | reinterpret_cast<uintptr_t>(dyk.data_ptr()), x.device().index());
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, x.scalar_type(), "groupnorm_backward", [&] {
         using A = acc_t<scalar_t>;
-        A* dgamma_part = need_affine ? part.data_ptr<A>() : nullptr;
-        A* dbeta_part = need_affine ? dgamma_part + N * C : nullptr;
-        const scalar_t* gamma = c.gamma ? c.gamma->data_ptr<scalar_t>() : nullptr;
-        scalar_t* dx_p = need_dx ? dx.data_ptr<scalar_t>() : nullptr;
-        const auto kernel = channels_last ? &groupnorm_backward_kernel<scalar_t, true>
-                                          : &groupnorm_backward_kernel<scalar_t, false>;
-        kernel<<<grid, kBackwardThreads, 0, stream>>>(
-            dyk.data_ptr<scalar_t>(), xk.data_ptr<scalar_t>(), mean.data_ptr<A>(),
-            rstd.data_ptr<A>(), gamma, dx_p, dgamma_part, dbeta_part, N, HxW, int(C), int(groups));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        if (need_affine) {
-          groupnorm_backward_affine_kernel<scalar_t><<<unsigned((C + 255) / 256), 256, 0, stream>>>(
-              dgamma_part, dbeta_part, dgamma.data_ptr<scalar_t>(), dbeta.data_ptr<scalar_t>(), N,
-              int(C));
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        }
+        run_backward<scalar_t>(p, c.shape, dyk.data_ptr<scalar_t>(), xk.data_ptr<scalar_t>(),
+                               mean.data_ptr<A>(), rstd.data_ptr<A>(),
+                               c.gamma ? c.gamma->data_ptr<scalar_t>() : nullptr,
+                               need_dx ? dx.data_ptr<scalar_t>() : nullptr,
+                               need_affine ? dgamma.data_ptr<scalar_t>() : nullptr,
+                               need_affine ? dbeta.data_ptr<scalar_t>() : nullptr, x, stream);
       });
   return {dx, dgamma, dbeta};
+}
+
+// The tiling backward() would use for an input like x (grad_output laid out
+// and aligned as x), as text.
+std::string backward_plan(const at::Tensor& x, int64_t groups) {
+  using namespace groupnorm;
+  Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
+  const c10::cuda::CUDAGuard guard(x.device());
+  return describe_backward_plan(plan_backward(c.shape, c.shape.x_addr, x.device().index()));
 }

@@ -12,3 +12,5 @@ std::string plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
 std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
                                  const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
                                  int64_t groups, bool need_dx, bool need_affine);
+
+std::string backward_plan(const at::Tensor& x, int64_t groups);

@@ -19,8 +19,8 @@ constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
 
 // n / d for 0 <= n < 2^31 with a multiply and a shift (as c10's IntDivider).
 struct FastDivider {
-  uint32_t divisor, magic, shift;
-  __host__ explicit FastDivider(uint32_t d) : divisor(d) {
+  uint32_t magic, shift;
+  __host__ explicit FastDivider(uint32_t d) {
     for (shift = 0; shift < 32; ++shift) {
       if ((1ull << shift) >= d) break;
     }
