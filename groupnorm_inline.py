@@ -43,8 +43,8 @@ _EMBEDDED_SOURCES = None  # replaced by `bundle`
 
 _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in globals() else None
 _CUDA_ROOT = "extension.cu"          # includes every other .cu/.cuh it needs
-_CPP_DECLARATIONS = "bindings.cpp"   # what load_inline binds to Python
-_FUNCTIONS = ["forward", "plan", "backward", "backward_plan"]
+_CPP_ROOT = "bindings.cpp"          # the C++ translation unit (declarations + autograd)
+_FUNCTIONS = ["forward", "plan", "backward", "backward_plan", "forward_autograd"]
 _CUDA_FLAGS = ["-O3"]   # torch adds its own -std (C++17 or C++20 by version)
 _DEFAULT_ARCH = "9.0"                # used when no GPU is visible (CI compiles this way)
 _LOCAL_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -79,8 +79,8 @@ def _expand(name, seen):
 
 
 def sources():
-    """(C++ declarations, CUDA translation unit) exactly as they are compiled."""
-    return _read_source(_CPP_DECLARATIONS), _expand(_CUDA_ROOT, set())
+    """(C++ translation unit, CUDA translation unit) exactly as they are compiled."""
+    return _expand(_CPP_ROOT, set()), _expand(_CUDA_ROOT, set())
 
 
 def _arch_list():
@@ -202,14 +202,24 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
         raise ValueError(f"groupnorm_cuda: x must be a CUDA tensor, got one on {x.device}; "
                          "group_norm() also takes CPU tensors")
     _check_scalars(groups, eps)
-    if _needs_op(x, gamma, beta):
-        if kernel != "auto" or team != 0:
-            raise ValueError("groupnorm_cuda: kernel/team overrides are for forward-only tests; "
-                             "they record no gradients")
-        if torch.compiler.is_compiling():
-            return torch.ops.groupnorm_inline.forward(x, gamma, beta, groups, float(eps))[0]
-        return _GroupNormFunction.apply(x, gamma, beta, groups, float(eps))
+    if kernel == "auto" and team == 0:
+        return _cuda_forward(x, gamma, beta, groups, float(eps))
+    if torch.compiler.is_compiling() or _needs_grad(x, gamma, beta):
+        raise ValueError("groupnorm_cuda: kernel/team overrides are for forward-only tests; "
+                         "they record no gradients")
     return load().forward(x, gamma, beta, groups, float(eps), kernel, team)[0]
+
+
+def _cuda_forward(x, gamma, beta, groups, eps):
+    """This module's kernels, with autograd where it is needed: the registered
+    op while torch.compile / export trace, the C++ autograd function
+    (kernels/autograd.h) in eager mode, the bare extension call without
+    gradients."""
+    if torch.compiler.is_compiling():
+        return torch.ops.groupnorm_inline.forward(x, gamma, beta, groups, eps)[0]
+    if _needs_grad(x, gamma, beta):
+        return load().forward_autograd(x, gamma, beta, groups, eps)
+    return load().forward(x, gamma, beta, groups, eps, "auto", 0)[0]
 
 
 def plan(x, groups, *, kernel="auto", team=0, backward=False):
@@ -236,22 +246,15 @@ def _needs_grad(input, weight, bias):
                                         (bias is not None and bias.requires_grad))
 
 
-def _needs_op(input, weight, bias):
-    """Autograd or a torch.compile / export trace: the plain extension call
-    records no graph."""
-    return torch.compiler.is_compiling() or _needs_grad(input, weight, bias)
-
-
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """Same signature and result as torch.nn.functional.group_norm.
 
-    CUDA tensors run this module's forward kernels (through the registered op
-    groupnorm_inline::forward under torch.compile / export). Inputs that need
-    gradients go to torch's group_norm: this release's backward kernels are
-    slower than torch's on most shapes (benchmarks/README.md); call
-    groupnorm_cuda to train with them. CPU tensors, and weight/bias of another
-    dtype or device than the input, also go to torch. Under CUDA autocast the
-    op runs in float32, as torch's does.
+    CUDA tensors run this module's kernels, forward and backward (through the
+    registered op groupnorm_inline::forward under torch.compile / export).
+    Gradients of gradients are not supported: backward through the gradient
+    raises and names torch's group_norm as the way out. CPU tensors, and
+    weight/bias of another dtype or device than the input, go to torch. Under
+    CUDA autocast the op runs in float32, as torch's does.
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"group_norm: input must be a torch.Tensor, got {type(input).__name__}")
@@ -265,10 +268,8 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
             and _single_value_per_channel(input, num_groups)):
         raise ValueError("group_norm: expected more than 1 value per channel, got input of "
                          f"size {list(input.shape)}")
-    if _takes_cuda_path(input, weight, bias) and not _needs_grad(input, weight, bias):
-        if torch.compiler.is_compiling():
-            return torch.ops.groupnorm_inline.forward(input, weight, bias, num_groups, float(eps))[0]
-        return load().forward(input, weight, bias, num_groups, float(eps), "auto", 0)[0]
+    if _takes_cuda_path(input, weight, bias):
+        return _cuda_forward(input, weight, bias, num_groups, float(eps))
     if not (input.is_floating_point() and input.dtype in _FLOAT_DTYPES):
         raise TypeError(f"group_norm: input dtype must be floating point, got {input.dtype}")
     if input.dim() < 2:
@@ -344,38 +345,15 @@ def _setup_context(ctx, inputs, output):
     ctx.groups = groups
 
 
-def _input_grads(backward, dy, saved, groups, needs):
-    """Gradients for (x, weight, bias, groups, eps) from a backward entry point:
-    the registered op or the extension itself."""
-    x, weight, mean, rstd = saved
-    need_dx, need_weight, need_bias = needs[:3]
-    dx, dweight, dbias = backward(dy, x, mean, rstd, weight, groups, need_dx,
-                                  need_weight or need_bias)
+def _backward_formula(ctx, dy, _dmean, _drstd):
+    """Gradients for (x, weight, bias, groups, eps) through the registered
+    backward op (the eager path does the same in C++, kernels/autograd.h)."""
+    x, weight, mean, rstd = ctx.saved_tensors
+    need_dx, need_weight, need_bias = ctx.needs_input_grad[:3]
+    dx, dweight, dbias = torch.ops.groupnorm_inline.backward(
+        dy, x, mean, rstd, weight, ctx.groups, need_dx, need_weight or need_bias)
     return (dx if need_dx else None, dweight if need_weight else None,
             dbias if need_bias else None, None, None)
-
-
-def _backward_formula(ctx, dy, _dmean, _drstd):
-    return _input_grads(torch.ops.groupnorm_inline.backward, dy, ctx.saved_tensors, ctx.groups,
-                        ctx.needs_input_grad)
-
-
-class _GroupNormFunction(torch.autograd.Function):
-    """Eager autograd for groupnorm_cuda: the same kernels and backward formula
-    as the registered op, with a fraction of its per-call overhead."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, groups, eps):
-        y, mean, rstd = load().forward(x, weight, bias, groups, eps, "auto", 0)
-        ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.groups = groups
-        return y
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        return _input_grads(load().backward, dy, ctx.saved_tensors, ctx.groups,
-                            ctx.needs_input_grad)
 
 
 def _no_double_backward(ctx, *grads):

@@ -7,7 +7,7 @@
 // large groups, as in a VAE decoder, must not leave SMs idle):
 //   1. sums:         per (sample, channel, chunk of positions): sum(dy) and
 //                    sum(dy * (x - mean)) -> partial pairs
-//   2. coefficients: one warp per (sample, group) adds the chunks in a fixed
+//   2. coefficients: one CTA per (sample, group) adds the chunks in a fixed
 //                    order, writes the per-(sample, channel) affine partials
 //                    and the dx coefficients of every channel:
 //                    dx = alpha * dy - k1 - (x - mean) * k2
@@ -344,8 +344,11 @@ __global__ void __launch_bounds__(kBackwardThreads)
 // Both layouts.
 // ---------------------------------------------------------------------------
 
-// One warp per (sample, group). partial pair (n, c, k) is at
-// partial + (n * stride_n + c * stride_c + k * stride_k) * 2.
+// One CTA per (sample, group). partial pair (n, c, k) is at
+// partial + (n * stride_n + c * stride_c + k * stride_k) * 2. Threads take
+// (channel, chunk-lane) pairs, channel fastest (coalesced for channels-last
+// partials), add their chunks in order, then the chunk-lanes of each channel
+// are added in order: the result does not depend on timing.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kBackwardThreads)
     groupnorm_backward_coefficients_kernel(const acc_t<scalar_t>* __restrict__ partial,
@@ -355,62 +358,63 @@ __global__ void __launch_bounds__(kBackwardThreads)
                                            acc_t<scalar_t>* __restrict__ dgamma_part,  // [N, C] or nullptr
                                            acc_t<scalar_t>* __restrict__ dbeta_part,   // [N, C] or nullptr
                                            Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N, C] or nullptr
-                                           int64_t N, int C, int G, int64_t HxW, int64_t chunks,
-                                           int64_t stride_n, int64_t stride_c, int64_t stride_k) {
+                                           int64_t N, int C, int G, int64_t HxW,
+                                           int64_t chunks, int64_t stride_n, int64_t stride_c,
+                                           int64_t stride_k) {
   using A = acc_t<scalar_t>;
+  __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[kBackwardWarps];
   const int D = C / G;
-  const int lane = threadIdx.x % kWarp;
-  const int64_t unit = int64_t(blockIdx.x) * kBackwardWarps + threadIdx.x / kWarp;
-  if (unit >= N * G) return;  // no block barrier in this kernel
-  const int64_t n = unit / G;
-  const int c0 = int(unit % G) * D;
-  const A mu = mean[unit];
-  const A rs = rstd[unit];
-  const A* base = partial + n * stride_n * 2;
   const auto weight = [&](int c) { return gamma != nullptr ? static_cast<A>(gamma[c]) : A(1); };
-  const auto keep = [&](int c, A s_dy, A s_dyx) {
-    if (dgamma_part != nullptr) {
-      dgamma_part[n * C + c] = s_dyx * rs;
-      dbeta_part[n * C + c] = s_dy;
-    }
-  };
-  // sum(g) and sum(g * (x - mu)) over the group, in a fixed order.
-  A s1 = 0, s2 = 0;
-  if (chunks < kWarp) {  // few chunks: a lane per channel
-    for (int d = lane; d < D; d += kWarp) {
-      const A* p = base + int64_t(c0 + d) * stride_c * 2;
+  const int width = min(D, kBackwardThreads);  // channels per pass
+  const int lanes = kBackwardThreads / width;  // chunk-lanes per channel
+  const int d_in = threadIdx.x % width;
+  const int lane = threadIdx.x / width;
+  for (int64_t unit = blockIdx.x; unit < N * G; unit += gridDim.x) {
+    const int64_t n = unit / G;
+    const int c0 = int(unit % G) * D;
+    const A mu = mean[unit];
+    const A rs = rstd[unit];
+    const A* base = partial + n * stride_n * 2;
+    // sum(g) and sum(g * (x - mu)) over the group: per-thread parts
+    A s1 = 0, s2 = 0;
+    for (int d0 = 0; d0 < D; d0 += width) {
       A s_dy = 0, s_dyx = 0;
-      for (int64_t k = 0; k < chunks; ++k) {
-        s_dy += p[k * stride_k * 2];
-        s_dyx += p[k * stride_k * 2 + 1];
+      if (lane < lanes && d0 + d_in < D) {
+        const A* p = base + int64_t(c0 + d0 + d_in) * stride_c * 2;
+#pragma unroll 4
+        for (int64_t k = lane; k < chunks; k += lanes) {
+          s_dy += p[k * stride_k * 2];
+          s_dyx += p[k * stride_k * 2 + 1];
+        }
       }
-      keep(c0 + d, s_dy, s_dyx);
-      s1 += weight(c0 + d) * s_dy;
-      s2 += weight(c0 + d) * s_dyx;
-    }
-    s1 = warp_sum(s1);
-    s2 = warp_sum(s2);
-  } else {  // many chunks: the lanes split each channel's chunks
-    for (int d = 0; d < D; ++d) {
-      const A* p = base + int64_t(c0 + d) * stride_c * 2;
-      A s_dy = 0, s_dyx = 0;
-      for (int64_t k = lane; k < chunks; k += kWarp) {
-        s_dy += p[k * stride_k * 2];
-        s_dyx += p[k * stride_k * 2 + 1];
+      __syncthreads();  // the tables may still be read from the last pass
+      red_dy[threadIdx.x] = s_dy;
+      red_dyx[threadIdx.x] = s_dyx;
+      __syncthreads();
+      if (threadIdx.x < width && d0 + int(threadIdx.x) < D) {
+        const int c = c0 + d0 + threadIdx.x;
+        A t_dy = 0, t_dyx = 0;
+        for (int l = 0; l < lanes; ++l) {
+          t_dy += red_dy[l * width + threadIdx.x];
+          t_dyx += red_dyx[l * width + threadIdx.x];
+        }
+        if (dgamma_part != nullptr) {
+          dgamma_part[n * C + c] = t_dyx * rs;
+          dbeta_part[n * C + c] = t_dy;
+        }
+        s1 += weight(c) * t_dy;
+        s2 += weight(c) * t_dyx;
       }
-      s_dy = warp_sum(s_dy);
-      s_dyx = warp_sum(s_dyx);
-      if (lane == 0) keep(c0 + d, s_dy, s_dyx);
-      s1 += weight(c0 + d) * s_dy;
-      s2 += weight(c0 + d) * s_dyx;
     }
-  }
-  if (coef == nullptr) return;
-  const A M = A(D) * A(HxW);
-  const A k1 = rs * s1 / M;
-  const A k2 = rs * rs * rs * s2 / M;
-  for (int d = lane; d < D; d += kWarp) {
-    coef[n * C + c0 + d] = Coef<A>{rs * weight(c0 + d), mu, k1, k2};
+    if (coef == nullptr) continue;  // the same in every thread
+    s1 = block_sum(s1, scratch);
+    s2 = block_sum(s2, scratch);
+    const A M = A(D) * A(HxW);
+    const A k1 = rs * s1 / M;
+    const A k2 = rs * rs * rs * s2 / M;
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+      coef[n * C + c0 + d] = Coef<A>{rs * weight(c0 + d), mu, k1, k2};
+    }
   }
 }
 

@@ -116,10 +116,10 @@ void run_backward(const BackwardPlan& p, const Shape& s, const scalar_t* dy, con
   const int64_t stride_n = s.C * t.chunks;
   const int64_t stride_c = p.channels_last ? 1 : t.chunks;
   const int64_t stride_k = p.channels_last ? s.C : 1;
-  const unsigned units_grid = unsigned((s.N * G + kBackwardWarps - 1) / kBackwardWarps);
-  groupnorm_backward_coefficients_kernel<scalar_t><<<units_grid, kBackwardThreads, 0, stream>>>(
-      partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, s.N, C, G, s.HxW, t.chunks,
-      stride_n, stride_c, stride_k);
+  groupnorm_backward_coefficients_kernel<scalar_t>
+      <<<unsigned(std::min(s.N * G, kMaxGrid)), kBackwardThreads, 0, stream>>>(
+          partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, s.N, C, G, s.HxW, t.chunks,
+          stride_n, stride_c, stride_k);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (need_affine) {
     groupnorm_backward_affine_kernel<scalar_t><<<unsigned((C + 255) / 256), 256, 0, stream>>>(

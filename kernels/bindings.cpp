@@ -1,5 +1,5 @@
-// Declarations of the CUDA entry points; load_inline generates their Python
-// bindings from this file (functions=...).
+// The C++ side of the extension: declarations of the CUDA entry points and the
+// eager autograd function. load_inline binds the names in `functions=` to Python.
 #include <string>
 #include <vector>
 
@@ -14,3 +14,5 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
                                  int64_t groups, bool need_dx, bool need_affine);
 
 std::string backward_plan(const at::Tensor& x, int64_t groups);
+
+#include "autograd.h"

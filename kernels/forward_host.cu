@@ -75,6 +75,15 @@ const DeviceInfo& device_info(int device) {
   return cache.emplace(device, info).first->second;
 }
 
+// Dynamic shared memory one block of `kernel` may ask for: the device's opt-in
+// maximum less the kernel's static shared memory (asking for more than that
+// makes cudaFuncSetAttribute fail).
+size_t dynamic_smem_limit(const void* kernel, int device) {
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return size_t(device_info(device).smem_per_block) - attributes.sharedSizeBytes;
+}
+
 // Blocks of `kernel` that fit on one SM with this many threads and bytes of
 // dynamic shared memory; also raises the kernel's shared-memory limit to the
 // device's opt-in maximum the first time it is seen on a device.
@@ -88,7 +97,7 @@ int blocks_per_sm(const void* kernel, int device, int threads, size_t smem) {
   const auto limit_key = std::make_tuple(kernel, device, -1, size_t(0));
   if (cache.find(limit_key) == cache.end()) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        device_info(device).smem_per_block));
+                                        int(dynamic_smem_limit(kernel, device))));
     cache[limit_key] = 0;
   }
   int blocks = 0;
@@ -199,12 +208,13 @@ void with_vec(int v, F&& f) {
 void plan_teams(Plan& p, const void* kernel, int device, int64_t items, size_t item_bytes,
                 int stat_groups, int red_entries, size_t acc, const Request& req) {
   const DeviceInfo& dev = device_info(device);
+  const size_t limit = dynamic_smem_limit(kernel, device);
   const size_t overhead = shared_bytes(0, red_entries, stat_groups, acc);
   TORCH_CHECK(
-      overhead + 16 <= size_t(dev.smem_per_block),
+      overhead + 16 <= limit,
       message("groupnorm: ", stat_groups, " groups need more shared memory than a block has"));
   // shared_bytes() rounds the slice up to 16 bytes: stay under the limit after that.
-  const int64_t most_items = int64_t((dev.smem_per_block - overhead) / 16 * 16 / item_bytes);
+  const int64_t most_items = int64_t((limit - overhead) / 16 * 16 / item_bytes);
   const int64_t min_items = std::max<int64_t>(1, kMinSliceBytes / int64_t(item_bytes));
   const auto smem_for = [&](int64_t kept_items) {
     return shared_bytes(kept_items * item_bytes, red_entries, stat_groups, acc);
