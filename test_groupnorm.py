@@ -403,6 +403,10 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
     ((1, 320, 64, 64), 32, torch.bfloat16, "channels_last", "channels_last", 64),
     ((1, 16, 300, 300), 2, torch.float32, "channels_last", "channels_last", 1),  # re-read
     ((2, 12, 33, 35), 4, torch.float64, "contiguous", "contiguous", 6),
+    ((3, 12, 61, 37), 3, torch.float32, "contiguous", "split", 0),  # ragged last tile, odd HxW
+    ((1, 8, 256, 256), 1, torch.bfloat16, "contiguous", "split", 0),  # many pieces per unit
+    ((2, 12, 33, 35), 4, torch.float64, "contiguous", "split", 0),
+    ((4, 6, 5, 7), 3, torch.float16, "contiguous", "split", 0),  # one partial tile per unit
 ]
 
 
@@ -424,6 +428,17 @@ def test_gpu_forced_paths(case):
 def kept_fraction(plan_text):
     kept, slice_ = plan_text.split(" kept=")[1].split()[0].split("/")
     return int(kept) / int(slice_)
+
+
+@cuda
+def test_gpu_plan_chooses_split_for_many_rounds_of_large_teams():
+    # 64 groups of 8 MiB: 22 rounds of teams of 176 CTAs on an H100/H200
+    x = make_input((8, 64, 512, 512), torch.float32, "contiguous", "cuda", shift=1000.0)
+    text = gn.plan(x, 8)
+    assert text.startswith("split") and "rounds of teams" in text, text
+    check_against_reference(x, 8, *affine(64, x.dtype, "cuda", "both"))
+    # many rounds of small teams stay on chip (KernelBench L2-92's GroupNorm)
+    assert gn.plan(torch.empty(128, 64, 126, 126, device="cuda"), 16).startswith("contiguous")
 
 
 @cuda
@@ -587,6 +602,9 @@ def check_backward(x, groups, w, b, dy, shift_scale=1.0):
     theirs = gradients(lambda *t: F.group_norm(t[0], groups, t[1], t[2]),
                        x.detach().requires_grad_(), *(t.detach().requires_grad_() if t is not None else None
                                                       for t in (w, b)), dy)
+    N = x.shape[0]
+    var = x.detach().double().reshape(N, groups, -1).var(dim=-1, unbiased=False)
+    rstd_max = (var + 1e-5).rsqrt().max().item()
     for name, mine, r, t in zip(("dx", "dweight", "dbias"), ours, ref, theirs):
         if r is None:
             continue
@@ -595,8 +613,12 @@ def check_backward(x, groups, w, b, dy, shift_scale=1.0):
         err = gn.max_error(mine, r)
         torch_err = gn.max_error(t, r)
         eps = torch.finfo(x.dtype).eps
+        # dx = rstd * (g - mean(g) - ...) cancels terms of size rstd * |g|: a
+        # group of one value (rstd = 1/sqrt(eps)) leaves rounding noise of that size
+        cancel = 8 * eps * rstd_max * dy.abs().max().item() * (w.abs().max().item() if w is not None
+                                                                else 1.0)
         tol = (1.5 * torch_err + 4 * eps * scale) if x.dtype in (torch.float16, torch.bfloat16) \
-            else max(1e-5 * scale * shift_scale, 1.1 * torch_err) + 1e-12
+            else max(1e-5 * scale * shift_scale, 1.1 * torch_err) + 1e-12 + (cancel if name == "dx" else 0)
         assert not mine.isnan().any(), name
         assert err <= tol, f"{name}: error {err:.3e} > {tol:.3e} (torch {torch_err:.3e}, scale {scale:.3e})"
     return ours

@@ -56,6 +56,22 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T, V>& v) {
   }
 }
 
+// n / d for 0 <= n < 2^31 with a multiply and a shift (as c10's IntDivider).
+struct FastDivider {
+  uint32_t magic, shift;
+  __host__ explicit FastDivider(uint32_t d) {
+    for (shift = 0; shift < 32; ++shift) {
+      if ((1ull << shift) >= d) break;
+    }
+    const uint64_t one = 1;
+    magic = uint32_t(((one << 32) * ((one << shift) - d)) / d + 1);
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const {
+    const uint32_t t = __umulhi(n, magic);
+    return (t + n) >> shift;
+  }
+};
+
 template <typename A>
 __device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll

@@ -22,6 +22,7 @@
 #include "forward_channels_last.cu"
 #include "forward_contiguous.cu"
 #include "forward_reference.cu"
+#include "forward_split.cu"
 
 namespace groupnorm {
 
@@ -109,10 +110,10 @@ int blocks_per_sm(const void* kernel, int device, int threads, size_t smem) {
 // ---------------------------------------------------------------------------
 // The plan: which kernel runs for this shape, and why.
 // ---------------------------------------------------------------------------
-enum class Kernel { Reference, Contiguous, ChannelsLast };
+enum class Kernel { Reference, Contiguous, ChannelsLast, Split };
 
 struct Request {
-  std::string kernel = "auto";  // "auto", "reference", "contiguous", "channels_last"
+  std::string kernel = "auto";  // "auto", "reference", "contiguous", "split", "channels_last"
   int64_t team = 0;             // CTAs per unit; 0 = choose
 };
 
@@ -132,13 +133,21 @@ struct Plan {
   int rows_per_step = 1;  // channels-last: rows in flight per sweep step
   int64_t units = 0;      // groups (contiguous) or samples (channels-last)
   int64_t slice = 0;      // items per CTA: vectors (contiguous) or rows (channels-last)
-  int team = 1;           // CTAs per unit
+  int team = 1;           // CTAs per unit (split: pieces per unit)
+  int64_t rounds = 1;     // units each team handles in turn
   int64_t grid = 0;
   size_t smem = 0;
   std::string why;
 };
 
 constexpr int64_t kMaxGrid = 1 << 30;
+// Where three streaming launches (forward_split.cu) beat the team kernel:
+// teams of more than kSplitTeam CTAs for more than kSplitAfterRounds rounds.
+// Each round ends in a team barrier whose cost grows with the team; measured
+// on an H200 (benchmarks/README.md): teams of 176 for 22 or 299 rounds lose
+// 11 % to the split kernel, teams of 5 to 48 for 3 to 20 rounds win by 6-25 %.
+constexpr int64_t kSplitTeam = 64;
+constexpr int64_t kSplitAfterRounds = 8;
 // A CTA's share of a unit is never cut below this: smaller slices spend more
 // time in the team barrier than in moving bytes.
 constexpr int64_t kMinSliceBytes = 8 * 1024;
@@ -279,12 +288,16 @@ void plan_teams(Plan& p, const void* kernel, int device, int64_t items, size_t i
                 message("groupnorm: a team of ", p.team, " CTAs cannot be co-resident"));
     p.grid = teams * p.team;
   }
+  const int64_t teams_in_grid = p.grid / p.team;
+  p.rounds = (p.units + teams_in_grid - 1) / teams_in_grid;
 }
 
 const char* kernel_name(Kernel k) {
   switch (k) {
     case Kernel::Contiguous:
       return "contiguous";
+    case Kernel::Split:
+      return "split";
     case Kernel::ChannelsLast:
       return "channels_last";
     default:
@@ -292,11 +305,25 @@ const char* kernel_name(Kernel k) {
   }
 }
 
+// Three streaming launches for contiguous units of `items` vectors.
+void plan_split(Plan& p, int64_t items) {
+  const int64_t tiles = (items + kSplitTileVecs - 1) / kSplitTileVecs;
+  const int64_t chunks = std::min(kMaxSplitChunks, tiles);
+  p.kernel = Kernel::Split;
+  p.threads = kSplitThreads;
+  p.slice = (tiles + chunks - 1) / chunks * kSplitTileVecs;  // whole tiles per piece
+  p.team = int((items + p.slice - 1) / p.slice);
+  p.kept = 0;
+  p.smem = 0;
+  p.grid = std::min(p.units * p.team, kMaxGrid);
+}
+
 // Which kernel runs for this shape, and why. Contiguous input takes the
-// contiguous kernel; channels-last input the channels-last kernel unless C is
-// too wide for one thread per column (then the reference kernel, which reads
-// any layout). Both fast kernels use 16-byte accesses where the address, C/G
-// and HxW allow, narrower ones otherwise.
+// contiguous kernel, or the split one where the team kernel would need many
+// rounds of large teams; channels-last input the channels-last kernel
+// unless C is too wide for one thread per column (then the reference kernel,
+// which reads any layout). The fast kernels use 16-byte accesses where the
+// address, C/G and HxW allow, narrower ones otherwise.
 template <typename scalar_t>
 Plan choose_plan(const Shape& s, int device, const Request& req) {
   Plan p;
@@ -304,22 +331,37 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
   const size_t acc = sizeof(acc_t<scalar_t>);
   const bool want_ref = req.kernel == "reference";
   TORCH_CHECK_VALUE(want_ref || req.kernel == "auto" || req.kernel == "contiguous" ||
-                        req.kernel == "channels_last",
+                        req.kernel == "split" || req.kernel == "channels_last",
                     message("groupnorm: unknown kernel '", req.kernel,
-                            "' (expected auto, reference, contiguous or channels_last)"));
+                            "' (expected auto, reference, contiguous, split or channels_last)"));
   TORCH_CHECK_VALUE(
-      req.kernel != (s.channels_last ? "contiguous" : "channels_last"),
+      s.channels_last ? req.kernel != "contiguous" && req.kernel != "split"
+                      : req.kernel != "channels_last",
       message("groupnorm: kernel '", req.kernel, "' does not match the input's layout (",
               s.channels_last ? "channels_last" : "contiguous", ")"));
   if (!want_ref && !s.channels_last) {
     p.kernel = Kernel::Contiguous;
     p.vec = widest_vector(s.elem, s.x_addr, {s.HxW}, kContiguousVecBytes);  // one channel a vector
-    p.threads = kContiguousThreads;
     p.units = s.N * s.G;
     const void* k = nullptr;
     with_vec<scalar_t, kContiguousVecBytes>(
         p.vec, [&](auto v) { k = contiguous_kernel<scalar_t, decltype(v)::value>(); });
-    plan_teams(p, k, device, D * s.HxW / p.vec, p.vec * s.elem, 1, p.threads, acc, req);
+    const int64_t items = D * s.HxW / p.vec;
+    // Units of fewer vectors than a full block get the warps they fill: fewer
+    // warps make each block reduction (the latency of a tiny launch) shorter.
+    p.threads = int(std::min<int64_t>(kContiguousThreads, (items + kWarp - 1) / kWarp * kWarp));
+    if (req.kernel == "split") {
+      TORCH_CHECK_VALUE(req.team == 0, "groupnorm: the split kernel has no teams");
+      plan_split(p, items);
+      p.why = "split requested";
+      return p;
+    }
+    plan_teams(p, k, device, items, p.vec * s.elem, 1, p.threads, acc, req);
+    if (req.kernel == "auto" && req.team == 0 && p.team > kSplitTeam &&
+        p.rounds > kSplitAfterRounds) {
+      p.why = std::to_string(p.rounds) + " rounds of teams of " + std::to_string(p.team);
+      plan_split(p, items);
+    }
     return p;
   }
   if (!want_ref) {
@@ -354,6 +396,11 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
 }
 
 std::string describe_plan(const Plan& p) {
+  if (p.kernel == Kernel::Split) {
+    return "split vec=" + std::to_string(p.vec) + " pieces=" + std::to_string(p.team) +
+           " piece=" + std::to_string(p.slice) + " grid=" + std::to_string(p.grid) + " (" + p.why +
+           ")";
+  }
   return std::string(kernel_name(p.kernel)) + " vec=" + std::to_string(p.vec) +
          " team=" + std::to_string(p.team) + " kept=" + std::to_string(p.kept) + "/" +
          std::to_string(p.slice) + " grid=" + std::to_string(p.grid) +
@@ -506,6 +553,30 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
         launch(p, &groupnorm_forward_channels_last_kernel<scalar_t, decltype(v)::value>, stream, x,
                gamma, beta, out, mean_p, rstd_p, ws, s.N, s.HxW, int(s.C), s.G, D, p.rows_per_step,
                p.team, p.slice, p.kept, A(eps));
+      });
+      break;
+    }
+    case Kernel::Split: {
+      const int64_t L = int64_t(D) * s.HxW;
+      const int64_t chunks = p.team;
+      storage = at::empty({p.units * chunks * 2}, mean.options());
+      A* partial = storage.data_ptr<A>();
+      const bool fast_div = L < (int64_t(1) << 31);
+      const FastDivider hxw_div(fast_div ? uint32_t(s.HxW) : 1u);
+      const unsigned grid = unsigned(p.grid);
+      with_vec<scalar_t, kContiguousVecBytes>(p.vec, [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        groupnorm_split_stats_kernel<scalar_t, V>
+            <<<grid, kSplitThreads, 0, stream>>>(x, partial, p.units, L, p.slice, chunks);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        groupnorm_split_combine_kernel<A>
+            <<<unsigned(std::min(p.units, kMaxGrid)), kSplitThreads, 0, stream>>>(
+                partial, mean_p, rstd_p, p.units, L, p.slice * p.vec, chunks, A(eps));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        groupnorm_split_normalize_kernel<scalar_t, V><<<grid, kSplitThreads, 0, stream>>>(
+            x, gamma, beta, mean_p, rstd_p, out, p.units, L, s.HxW, s.G, D, p.slice, chunks,
+            hxw_div, fast_div);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       break;
     }
