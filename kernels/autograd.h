@@ -33,10 +33,10 @@ class GroupNormFunction : public torch::autograd::Function<GroupNormFunction> {
     };
     const bool need_dx = ctx->needs_input_grad(0);
     const bool need_weight = needs("weight_edge"), need_bias = needs("bias_edge");
-    std::vector<at::Tensor> g = ::backward(
-        grads[0], saved[0], saved[2], saved[3],
-        weight.defined() ? c10::optional<at::Tensor>(weight) : c10::nullopt,
-        ctx->saved_data["groups"].toInt(), need_dx, need_weight || need_bias);
+    std::vector<at::Tensor> g =
+        ::backward(grads[0], saved[0], saved[2], saved[3],
+                   weight.defined() ? c10::optional<at::Tensor>(weight) : c10::nullopt,
+                   ctx->saved_data["groups"].toInt(), need_dx, need_weight || need_bias);
     torch::autograd::variable_list result = {need_dx ? g[0] : at::Tensor(),
                                              need_weight ? g[1] : at::Tensor(),
                                              need_bias ? g[2] : at::Tensor()};

@@ -68,45 +68,73 @@ __device__ __forceinline__ void store_pair(A* partial, A s_dy, A s_dyx) {
 // Contiguous (N, C, HxW).
 // ---------------------------------------------------------------------------
 
-// Sums of dy and dy * (x - mu) over [begin, end) of one row; `lane` of `width`
-// threads takes every width-th vector, kBackwardUnroll loads of each in flight.
+// Calls f(i, dy_vec, x_vec) for items i = first, first + step, ... below end
+// of dy and x (item i at element offset i * stride), kBackwardUnroll loads of
+// each in flight per thread.
+template <typename scalar_t, int V, typename F>
+__device__ __forceinline__ void for_each_pair(const scalar_t* dy, const scalar_t* x, int64_t first,
+                                              int64_t end, int step, int64_t stride, F f) {
+  using VecT = Vec<scalar_t, V>;
+  for (int64_t i0 = first; i0 < end; i0 += int64_t(kBackwardUnroll) * step) {
+    VecT g[kBackwardUnroll], v[kBackwardUnroll];
+#pragma unroll
+    for (int u = 0; u < kBackwardUnroll; ++u) {
+      const int64_t i = i0 + int64_t(u) * step;
+      if (i < end) {
+        g[u] = load_vec<scalar_t, V>(dy + i * stride);
+        v[u] = load_vec<scalar_t, V>(x + i * stride);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBackwardUnroll; ++u) {
+      const int64_t i = i0 + int64_t(u) * step;
+      if (i < end) f(i, g[u], v[u]);
+    }
+  }
+}
+
+// Sums of dy and dy * (x - mu) over vectors [begin, end) of one row; `lane`
+// of `width` threads takes every width-th vector.
 template <typename scalar_t, int V>
 __device__ __forceinline__ void row_sums(const scalar_t* dy, const scalar_t* x, int64_t begin,
                                          int64_t end, int lane, int width, acc_t<scalar_t> mu,
                                          acc_t<scalar_t>& s_dy, acc_t<scalar_t>& s_dyx) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
-  for (int64_t i0 = begin + lane; i0 < end; i0 += int64_t(kBackwardUnroll) * width) {
-    VecT g[kBackwardUnroll], v[kBackwardUnroll];
+  for_each_pair<scalar_t, V>(dy, x, begin + lane, end, width, V,
+                             [&](int64_t, const VecT& g, const VecT& v) {
 #pragma unroll
-    for (int u = 0; u < kBackwardUnroll; ++u) {
-      const int64_t i = i0 + int64_t(u) * width;
-      if (i < end) {
-        g[u] = load_vec<scalar_t, V>(dy + i * V);
-        v[u] = load_vec<scalar_t, V>(x + i * V);
-      }
-    }
+                               for (int e = 0; e < V; ++e) {
+                                 const A d = static_cast<A>(g.val[e]);
+                                 s_dy += d;
+                                 s_dyx += d * (static_cast<A>(v.val[e]) - mu);
+                               }
+                             });
+}
+
+// dx of one coefficient set from V lanes of dy and x.
+template <typename scalar_t, int V>
+__device__ __forceinline__ Vec<scalar_t, V> dx_of(const Vec<scalar_t, V>& g,
+                                                  const Vec<scalar_t, V>& v,
+                                                  const Coef<acc_t<scalar_t>>* k, int k_step) {
+  using A = acc_t<scalar_t>;
+  Vec<scalar_t, V> out;
 #pragma unroll
-    for (int u = 0; u < kBackwardUnroll; ++u) {
-      if (i0 + int64_t(u) * width < end) {
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const A d = static_cast<A>(g[u].val[e]);
-          s_dy += d;
-          s_dyx += d * (static_cast<A>(v[u].val[e]) - mu);
-        }
-      }
-    }
+  for (int e = 0; e < V; ++e) {
+    const Coef<A>& c = k[e * k_step];
+    out.val[e] = static_cast<scalar_t>(c.alpha * static_cast<A>(g.val[e]) - c.k1 -
+                                       (static_cast<A>(v.val[e]) - c.mu) * c.k2);
   }
+  return out;
 }
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kBackwardThreads)
-    groupnorm_backward_sums_contiguous_kernel(const scalar_t* __restrict__ dy,  // [N * C, HxW]
-                                              const scalar_t* __restrict__ x,   // [N * C, HxW]
-                                              const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
-                                              acc_t<scalar_t>* __restrict__ partial,  // [N*C, chunks, 2]
-                                              BackwardTiles t, int C, int D) {
+__global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_sums_contiguous_kernel(
+    const scalar_t* __restrict__ dy,           // [N * C, HxW]
+    const scalar_t* __restrict__ x,            // [N * C, HxW]
+    const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+    acc_t<scalar_t>* __restrict__ partial,     // [N*C, chunks, 2]
+    BackwardTiles t, int C, int D) {
   using A = acc_t<scalar_t>;
   __shared__ A scratch[kBackwardWarps];
   const int G = C / D;
@@ -138,60 +166,34 @@ __global__ void __launch_bounds__(kBackwardThreads)
 }
 
 template <typename scalar_t, int V>
-__device__ __forceinline__ void row_dx(const scalar_t* dy, const scalar_t* x, scalar_t* dx,
-                                       int64_t begin, int64_t end, int lane, int width,
-                                       const Coef<acc_t<scalar_t>>& k) {
-  using A = acc_t<scalar_t>;
+__global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_dx_contiguous_kernel(
+    const scalar_t* __restrict__ dy,                 // [N * C, HxW]
+    const scalar_t* __restrict__ x,                  // [N * C, HxW]
+    const Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N*C]
+    scalar_t* __restrict__ dx,                       // [N * C, HxW]
+    BackwardTiles t) {
   using VecT = Vec<scalar_t, V>;
-  for (int64_t i0 = begin + lane; i0 < end; i0 += int64_t(kBackwardUnroll) * width) {
-    VecT g[kBackwardUnroll], v[kBackwardUnroll];
-#pragma unroll
-    for (int u = 0; u < kBackwardUnroll; ++u) {
-      const int64_t i = i0 + int64_t(u) * width;
-      if (i < end) {
-        g[u] = load_vec<scalar_t, V>(dy + i * V);
-        v[u] = load_vec<scalar_t, V>(x + i * V);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kBackwardUnroll; ++u) {
-      const int64_t i = i0 + int64_t(u) * width;
-      if (i < end) {
-        VecT out;
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const A d = static_cast<A>(g[u].val[e]);
-          out.val[e] =
-              static_cast<scalar_t>(k.alpha * d - k.k1 - (static_cast<A>(v[u].val[e]) - k.mu) * k.k2);
-        }
-        store_vec_streaming<scalar_t, V>(dx + i * V, out);
-      }
-    }
-  }
-}
-
-template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kBackwardThreads)
-    groupnorm_backward_dx_contiguous_kernel(const scalar_t* __restrict__ dy,  // [N * C, HxW]
-                                            const scalar_t* __restrict__ x,   // [N * C, HxW]
-                                            const Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N*C]
-                                            scalar_t* __restrict__ dx,  // [N * C, HxW]
-                                            BackwardTiles t) {
   for (int64_t i = blockIdx.x; i < t.tiles; i += gridDim.x) {
     const int64_t b = t.tiles - 1 - i;  // reverse: the sums kernel's last tiles are in L2
+    int64_t row, begin = 0, end = t.row_items;
+    int lane = threadIdx.x, width = blockDim.x;
     if (t.warp_rows) {
-      const int64_t row = b * kBackwardWarps + threadIdx.x / kWarp;
+      row = b * kBackwardWarps + threadIdx.x / kWarp;
       if (row >= t.rows) continue;
-      const int64_t offset = row * t.row_items * V;
-      row_dx<scalar_t, V>(dy + offset, x + offset, dx + offset, 0, t.row_items,
-                          threadIdx.x % kWarp, kWarp, coef[row]);
+      lane = threadIdx.x % kWarp;
+      width = kWarp;
     } else {
-      const int64_t row = b / t.chunks;
-      const int64_t begin = (b % t.chunks) * t.chunk;
-      const int64_t offset = row * t.row_items * V;
-      row_dx<scalar_t, V>(dy + offset, x + offset, dx + offset, begin,
-                          min(t.row_items, begin + t.chunk), threadIdx.x, blockDim.x, coef[row]);
+      row = b / t.chunks;
+      begin = (b % t.chunks) * t.chunk;
+      end = min(t.row_items, begin + t.chunk);
     }
+    const int64_t offset = row * t.row_items * V;
+    const Coef<acc_t<scalar_t>> k = coef[row];
+    for_each_pair<scalar_t, V>(dy + offset, x + offset, begin + lane, end, width, V,
+                               [&](int64_t j, const VecT& g, const VecT& v) {
+                                 store_vec_streaming<scalar_t, V>(dx + offset + j * V,
+                                                                  dx_of<scalar_t, V>(g, v, &k, 0));
+                               });
   }
 }
 
@@ -225,13 +227,12 @@ struct ChannelsLastTile {
 };
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kBackwardThreads)
-    groupnorm_backward_sums_channels_last_kernel(
-        const scalar_t* __restrict__ dy,           // [N, HxW, C]
-        const scalar_t* __restrict__ x,            // [N, HxW, C]
-        const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
-        acc_t<scalar_t>* __restrict__ partial,     // [N, chunks, C, 2]
-        BackwardTiles t, int C, int D) {
+__global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_sums_channels_last_kernel(
+    const scalar_t* __restrict__ dy,           // [N, HxW, C]
+    const scalar_t* __restrict__ x,            // [N, HxW, C]
+    const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+    acc_t<scalar_t>* __restrict__ partial,     // [N, chunks, C, 2]
+    BackwardTiles t, int C, int D) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   // [trows][block_cols * V] per-thread sums, then added down each column.
@@ -247,29 +248,15 @@ __global__ void __launch_bounds__(kBackwardThreads)
     }
     if (tile.active) {
       const int64_t base = tile.n * t.row_items * C + int64_t(tile.col) * V;
-      for (int64_t r0 = tile.first_row + tile.trow; r0 < tile.end_row;
-           r0 += int64_t(kBackwardUnroll) * tile.trows) {
-        VecT g[kBackwardUnroll], v[kBackwardUnroll];
+      for_each_pair<scalar_t, V>(dy + base, x + base, tile.first_row + tile.trow, tile.end_row,
+                                 tile.trows, C, [&](int64_t, const VecT& g, const VecT& v) {
 #pragma unroll
-        for (int u = 0; u < kBackwardUnroll; ++u) {
-          const int64_t r = r0 + int64_t(u) * tile.trows;
-          if (r < tile.end_row) {
-            g[u] = load_vec<scalar_t, V>(dy + base + r * C);
-            v[u] = load_vec<scalar_t, V>(x + base + r * C);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kBackwardUnroll; ++u) {
-          if (r0 + int64_t(u) * tile.trows < tile.end_row) {
-#pragma unroll
-            for (int e = 0; e < V; ++e) {
-              const A d = static_cast<A>(g[u].val[e]);
-              s_dy[e] += d;
-              s_dyx[e] += d * (static_cast<A>(v[u].val[e]) - mu[e]);
-            }
-          }
-        }
-      }
+                                   for (int e = 0; e < V; ++e) {
+                                     const A d = static_cast<A>(g.val[e]);
+                                     s_dy[e] += d;
+                                     s_dyx[e] += d * (static_cast<A>(v.val[e]) - mu[e]);
+                                   }
+                                 });
     }
     __syncthreads();  // the tables may still be read for the previous tile
     if (tile.trow < tile.trows) {
@@ -297,12 +284,12 @@ __global__ void __launch_bounds__(kBackwardThreads)
 }
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kBackwardThreads)
-    groupnorm_backward_dx_channels_last_kernel(const scalar_t* __restrict__ dy,  // [N, HxW, C]
-                                               const scalar_t* __restrict__ x,   // [N, HxW, C]
-                                               const Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N, C]
-                                               scalar_t* __restrict__ dx,  // [N, HxW, C]
-                                               BackwardTiles t, int C) {
+__global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_dx_channels_last_kernel(
+    const scalar_t* __restrict__ dy,                 // [N, HxW, C]
+    const scalar_t* __restrict__ x,                  // [N, HxW, C]
+    const Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N, C]
+    scalar_t* __restrict__ dx,                       // [N, HxW, C]
+    BackwardTiles t, int C) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   for (int64_t i = blockIdx.x; i < t.tiles; i += gridDim.x) {
@@ -312,31 +299,11 @@ __global__ void __launch_bounds__(kBackwardThreads)
 #pragma unroll
     for (int e = 0; e < V; ++e) k[e] = coef[tile.n * C + int64_t(tile.col) * V + e];
     const int64_t base = tile.n * t.row_items * C + int64_t(tile.col) * V;
-    for (int64_t r0 = tile.first_row + tile.trow; r0 < tile.end_row;
-         r0 += int64_t(kBackwardUnroll) * tile.trows) {
-      VecT g[kBackwardUnroll], v[kBackwardUnroll];
-#pragma unroll
-      for (int u = 0; u < kBackwardUnroll; ++u) {
-        const int64_t r = r0 + int64_t(u) * tile.trows;
-        if (r < tile.end_row) {
-          g[u] = load_vec<scalar_t, V>(dy + base + r * C);
-          v[u] = load_vec<scalar_t, V>(x + base + r * C);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kBackwardUnroll; ++u) {
-        const int64_t r = r0 + int64_t(u) * tile.trows;
-        if (r < tile.end_row) {
-          VecT out;
-#pragma unroll
-          for (int e = 0; e < V; ++e) {
-            out.val[e] = static_cast<scalar_t>(k[e].alpha * static_cast<A>(g[u].val[e]) - k[e].k1 -
-                                               (static_cast<A>(v[u].val[e]) - k[e].mu) * k[e].k2);
-          }
-          store_vec_streaming<scalar_t, V>(dx + base + r * C, out);
-        }
-      }
-    }
+    for_each_pair<scalar_t, V>(dy + base, x + base, tile.first_row + tile.trow, tile.end_row,
+                               tile.trows, C, [&](int64_t r, const VecT& g, const VecT& v) {
+                                 store_vec_streaming<scalar_t, V>(dx + base + r * C,
+                                                                  dx_of<scalar_t, V>(g, v, k, 1));
+                               });
   }
 }
 
@@ -350,17 +317,16 @@ __global__ void __launch_bounds__(kBackwardThreads)
 // partials), add their chunks in order, then the chunk-lanes of each channel
 // are added in order: the result does not depend on timing.
 template <typename scalar_t>
-__global__ void __launch_bounds__(kBackwardThreads)
-    groupnorm_backward_coefficients_kernel(const acc_t<scalar_t>* __restrict__ partial,
-                                           const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
-                                           const acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
-                                           const scalar_t* __restrict__ gamma,  // [C] or nullptr
-                                           acc_t<scalar_t>* __restrict__ dgamma_part,  // [N, C] or nullptr
-                                           acc_t<scalar_t>* __restrict__ dbeta_part,   // [N, C] or nullptr
-                                           Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N, C] or nullptr
-                                           int64_t N, int C, int G, int64_t HxW,
-                                           int64_t chunks, int64_t stride_n, int64_t stride_c,
-                                           int64_t stride_k) {
+__global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficients_kernel(
+    const acc_t<scalar_t>* __restrict__ partial,
+    const acc_t<scalar_t>* __restrict__ mean,   // [N, G]
+    const acc_t<scalar_t>* __restrict__ rstd,   // [N, G]
+    const scalar_t* __restrict__ gamma,         // [C] or nullptr
+    acc_t<scalar_t>* __restrict__ dgamma_part,  // [N, C] or nullptr
+    acc_t<scalar_t>* __restrict__ dbeta_part,   // [N, C] or nullptr
+    Coef<acc_t<scalar_t>>* __restrict__ coef,   // [N, C] or nullptr
+    int64_t N, int C, int G, int64_t HxW, int64_t chunks, int64_t stride_n, int64_t stride_c,
+    int64_t stride_k) {
   using A = acc_t<scalar_t>;
   __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[kBackwardWarps];
   const int D = C / G;

@@ -38,7 +38,8 @@ BackwardPlan plan_backward(const Shape& s, uintptr_t addr, int device) {
       t.chunks = 1;
       t.tiles = (t.rows + kBackwardWarps - 1) / kBackwardWarps;
     } else {
-      const int64_t min_chunk = std::max<int64_t>(kBackwardThreads, kMinChunkBytes / (p.vec * int64_t(s.elem)));
+      const int64_t min_chunk =
+          std::max<int64_t>(kBackwardThreads, kMinChunkBytes / (p.vec * int64_t(s.elem)));
       const int64_t most = std::max<int64_t>(1, std::min(kMaxChunks, t.row_items / min_chunk));
       const int64_t want = std::min(most, std::max<int64_t>(1, (target + t.rows - 1) / t.rows));
       t.chunk = (t.row_items + want - 1) / want;
@@ -57,7 +58,8 @@ BackwardPlan plan_backward(const Shape& s, uintptr_t addr, int device) {
     const int64_t min_rows = std::max<int64_t>(trows, kMinChunkBytes / row_bytes);
     const int64_t most = std::max<int64_t>(1, std::min(kMaxChunks, s.HxW / min_rows));
     const int64_t per_sample = s.N * t.cblocks;
-    const int64_t want = std::min(most, std::max<int64_t>(1, (target + per_sample - 1) / per_sample));
+    const int64_t want =
+        std::min(most, std::max<int64_t>(1, (target + per_sample - 1) / per_sample));
     t.chunk = (s.HxW + want - 1) / want;
     t.chunks = (s.HxW + t.chunk - 1) / t.chunk;
     t.tiles = s.N * t.chunks * t.cblocks;

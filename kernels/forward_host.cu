@@ -219,9 +219,8 @@ void plan_teams(Plan& p, const void* kernel, int device, int64_t items, size_t i
   const DeviceInfo& dev = device_info(device);
   const size_t limit = dynamic_smem_limit(kernel, device);
   const size_t overhead = shared_bytes(0, red_entries, stat_groups, acc);
-  TORCH_CHECK(
-      overhead + 16 <= limit,
-      message("groupnorm: ", stat_groups, " groups need more shared memory than a block has"));
+  TORCH_CHECK(overhead + 16 <= limit, message("groupnorm: ", stat_groups,
+                                              " groups need more shared memory than a block has"));
   // shared_bytes() rounds the slice up to 16 bytes: stay under the limit after that.
   const int64_t most_items = int64_t((limit - overhead) / 16 * 16 / item_bytes);
   const int64_t min_items = std::max<int64_t>(1, kMinSliceBytes / int64_t(item_bytes));
@@ -573,9 +572,9 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
             <<<unsigned(std::min(p.units, kMaxGrid)), kSplitThreads, 0, stream>>>(
                 partial, mean_p, rstd_p, p.units, L, p.slice * p.vec, chunks, A(eps));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        groupnorm_split_normalize_kernel<scalar_t, V><<<grid, kSplitThreads, 0, stream>>>(
-            x, gamma, beta, mean_p, rstd_p, out, p.units, L, s.HxW, s.G, D, p.slice, chunks,
-            hxw_div, fast_div);
+        groupnorm_split_normalize_kernel<scalar_t, V>
+            <<<grid, kSplitThreads, 0, stream>>>(x, gamma, beta, mean_p, rstd_p, out, p.units, L,
+                                                 s.HxW, s.G, D, p.slice, chunks, hxw_div, fast_div);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       break;

@@ -20,11 +20,11 @@ namespace groupnorm {
 constexpr int kSplitThreads = 256;
 constexpr int kSplitItems = 8;  // vectors per thread per tile, in registers
 constexpr int kSplitTileVecs = kSplitThreads * kSplitItems;
-constexpr int64_t kMaxSplitChunks = 256;
+constexpr int64_t kMaxSplitChunks = 64;
 
 template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kSplitThreads)
-    groupnorm_split_stats_kernel(const scalar_t* __restrict__ x,       // [units, L]
+    groupnorm_split_stats_kernel(const scalar_t* __restrict__ x,         // [units, L]
                                  acc_t<scalar_t>* __restrict__ partial,  // [units, chunks, 2]
                                  int64_t units, int64_t L, int64_t chunk_vecs, int64_t chunks) {
   using A = acc_t<scalar_t>;
@@ -97,9 +97,9 @@ __global__ void __launch_bounds__(kSplitThreads)
 
 template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kSplitThreads)
-    groupnorm_split_normalize_kernel(const scalar_t* __restrict__ x,      // [units, L]
-                                     const scalar_t* __restrict__ gamma,  // [C] or nullptr
-                                     const scalar_t* __restrict__ beta,   // [C] or nullptr
+    groupnorm_split_normalize_kernel(const scalar_t* __restrict__ x,            // [units, L]
+                                     const scalar_t* __restrict__ gamma,        // [C] or nullptr
+                                     const scalar_t* __restrict__ beta,         // [C] or nullptr
                                      const acc_t<scalar_t>* __restrict__ mean,  // [units]
                                      const acc_t<scalar_t>* __restrict__ rstd,  // [units]
                                      scalar_t* __restrict__ y,                  // [units, L]
@@ -135,8 +135,7 @@ __global__ void __launch_bounds__(kSplitThreads)
         const int64_t j = int64_t(u) * kSplitThreads + threadIdx.x;
         if (j < count) {
           const int64_t within = (t0 + j) * V;
-          const int64_t c =
-              c0 + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
+          const int64_t c = c0 + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
           const A a = gamma != nullptr ? rs * static_cast<A>(gamma[c]) : rs;
           const A sh = beta != nullptr ? static_cast<A>(beta[c]) : A(0);
           VecT out;
@@ -152,4 +151,3 @@ __global__ void __launch_bounds__(kSplitThreads)
 }
 
 }  // namespace groupnorm
-
