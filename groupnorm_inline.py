@@ -1,7 +1,7 @@
 """groupnorm_inline: a fast GroupNorm for PyTorch on NVIDIA GPUs.
 
-Same answer as torch.nn.GroupNorm, one read of the input and one write of the
-output, compiled on first use with torch.utils.cpp_extension.load_inline.
+Same answer as torch.nn.GroupNorm, forward and backward, from CUDA kernels
+compiled on first use with torch.utils.cpp_extension.load_inline.
 
     import groupnorm_inline as gn
     y = gn.group_norm(x, 32, weight, bias)          # like F.group_norm
@@ -202,11 +202,14 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
         raise ValueError(f"groupnorm_cuda: x must be a CUDA tensor, got one on {x.device}; "
                          "group_norm() also takes CPU tensors")
     _check_scalars(groups, eps)
+    if _func_transformed(x, gamma, beta):
+        raise ValueError("groupnorm_cuda: torch.func transforms (grad, vmap, ...) are not "
+                         "supported; group_norm hands them to torch")
     if kernel == "auto" and team == 0:
         return _cuda_forward(x, gamma, beta, groups, float(eps))
     if torch.compiler.is_compiling() or _needs_grad(x, gamma, beta):
-        raise ValueError("groupnorm_cuda: kernel/team overrides are for forward-only tests; "
-                         "they record no gradients")
+        raise ValueError("groupnorm_cuda: kernel/team overrides are for forward-only eager "
+                         "tests: they record no gradients and torch.compile cannot trace them")
     return load().forward(x, gamma, beta, groups, float(eps), kernel, team)[0]
 
 
@@ -214,8 +217,15 @@ def _cuda_forward(x, gamma, beta, groups, eps):
     """This module's kernels, with autograd where it is needed: the registered
     op while torch.compile / export trace, the C++ autograd function
     (kernels/autograd.h) in eager mode, the bare extension call without
-    gradients."""
-    if torch.compiler.is_compiling():
+    gradients.
+
+    A weight without a bias or a bias without a weight also takes the
+    registered op in eager mode: the C++ function failed its backward for that
+    case on torch 2.11 ("tensor does not have a device"), and the op's Python
+    autograd is positional, so an absent weight or bias cannot shift its
+    inputs."""
+    if torch.compiler.is_compiling() or ((gamma is None) != (beta is None) and
+                                         _needs_grad(x, gamma, beta)):
         return torch.ops.groupnorm_inline.forward(x, gamma, beta, groups, eps)[0]
     if _needs_grad(x, gamma, beta):
         return load().forward_autograd(x, gamma, beta, groups, eps)
@@ -232,12 +242,23 @@ def plan(x, groups, *, kernel="auto", team=0, backward=False):
 
 
 def _takes_cuda_path(input, weight, bias):
-    if not input.is_cuda or input.dtype not in _FLOAT_DTYPES:
+    if not input.is_cuda or input.dtype not in _FLOAT_DTYPES or _func_transformed(input, weight, bias):
         return False
     for t in (weight, bias):
         if t is not None and (t.dtype != input.dtype or t.device != input.device):
             return False  # mixed precision / placement: torch's rules apply
     return True
+
+
+def _func_transformed(*tensors):
+    """Tensors inside torch.func transforms (grad, vmap, jacrev) are wrappers
+    without storage that a CUDA kernel cannot read; torch's group_norm takes
+    them. (Checked in eager mode only: a torch.compile trace sees plain fake
+    tensors.)"""
+    if torch.compiler.is_compiling():
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(t is not None and wrapped(t) for t in tensors)
 
 
 def _needs_grad(input, weight, bias):
@@ -322,15 +343,13 @@ def _backward_impl(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: 
     return dx, dweight, dbias
 
 
-_BACKWARD_BLOCK = 256  # kBackwardThreads: wider channels-last groups use a contiguous copy
-
-
 def _backward_fake(dy, x, mean, rstd, weight, groups, need_dx, need_affine):
     C = x.shape[1]
-    channels_last = not x.is_contiguous() and _dense(x)
+    # dx takes x's layout when x is dense (contiguous or channels-last-like),
+    # contiguous otherwise: x was copied to contiguous first
     if not need_dx:
         dx = x.new_empty((0,))
-    elif _dense(x) and not (channels_last and C // groups > _BACKWARD_BLOCK):
+    elif _dense(x):
         dx = torch.empty_like(x)
     else:
         dx = x.new_empty(x.shape)
@@ -441,7 +460,7 @@ _EMBED_MARKER = "_EMBEDDED_SOURCES = None  # " + "replaced by `bundle`"  # split
 _KERNELBENCH_TEMPLATE = '''"""KernelBench level-1 #35 (GroupNorm) solution from groupnorm_inline {version}.
 
 ModelNew keeps the reference Model's parameters (gn.weight, gn.bias) and runs
-GroupNorm with the CUDA kernels below: one read of x and one write of y.
+GroupNorm with the CUDA kernels below.
 """
 import torch
 from torch import nn

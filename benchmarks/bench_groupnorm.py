@@ -1,14 +1,17 @@
-"""Forward GroupNorm benchmark: groupnorm_inline vs torch eager vs torch.compile.
+"""GroupNorm benchmark: groupnorm_inline vs torch eager vs torch.compile.
 
-    python benchmarks/bench_groupnorm.py [--quick] [--json PATH] [--markdown PATH] [--png PATH]
+    python benchmarks/bench_groupnorm.py [--quick] [--training] [--json PATH] [--markdown PATH] [--png PATH]
 
 One process, one GPU. For every case: median time of each provider
 (triton.testing.do_bench, after warm-up), the bytes a GroupNorm must move
-(x read once, y written once), that as GB/s and as % of this device's copy
-bandwidth measured in the same run, and the speed-ups. torch.compile is
-compiled afresh per case (dynamo reset), so recompile limits never turn it
-into eager. Inputs rotate through enough copies to exceed L2 where memory
-allows, so small cases are not timed from cache alone.
+(forward: x read once, y written once), that as GB/s and as % of this
+device's copy bandwidth measured in the same run, and the speed-ups.
+--training times forward + backward (dx, dweight, dbias; floor: 5 x the
+input's bytes) and, in a second table, the backward alone (floor: read x and
+dy, write dx). torch.compile is compiled afresh per case (dynamo reset), so
+recompile limits never turn it into eager. Inputs rotate through enough
+copies to exceed L2 where memory allows, so small cases are not timed from
+cache alone.
 """
 
 import argparse

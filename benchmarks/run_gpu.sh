@@ -29,7 +29,7 @@ python3 -c "import groupnorm_inline" 2>&1 | tee -a "$OUT/env.txt" || exit 1
 status=0
 for step in "${steps[@]}"; do
   case $step in
-    tests) python3 -m pytest -q -rfEs --tb=short "${select[@]}" test_groupnorm.py 2>&1 | tee "$OUT/tests.log" || status=1 ;;
+    tests) python3 -m pytest -q -rfEs --tb=short ${select[@]+"${select[@]}"} test_groupnorm.py 2>&1 | tee "$OUT/tests.log" || status=1 ;;
     selfcheck) python3 groupnorm_inline.py 2>&1 | tee "$OUT/selfcheck.log" || status=1 ;;
     bench) python3 benchmarks/bench_groupnorm.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
              --png "$OUT/bench.png" || status=1 ;;

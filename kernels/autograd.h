@@ -7,6 +7,9 @@
 
 // Autograd makes an input edge only for each defined tensor argument:
 // needs_input_grad takes that edge's index, so absent weight/bias shift it.
+// groupnorm_inline.py calls this with both weight and bias or with neither:
+// with only one of them the backward failed on torch 2.11 ("tensor does not
+// have a device"), so that case takes the registered op.
 class GroupNormFunction : public torch::autograd::Function<GroupNormFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,

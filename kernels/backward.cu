@@ -318,13 +318,13 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_dx_channe
 // are added in order: the result does not depend on timing.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficients_kernel(
-    const acc_t<scalar_t>* __restrict__ partial,
-    const acc_t<scalar_t>* __restrict__ mean,   // [N, G]
-    const acc_t<scalar_t>* __restrict__ rstd,   // [N, G]
-    const scalar_t* __restrict__ gamma,         // [C] or nullptr
-    acc_t<scalar_t>* __restrict__ dgamma_part,  // [N, C] or nullptr
-    acc_t<scalar_t>* __restrict__ dbeta_part,   // [N, C] or nullptr
-    Coef<acc_t<scalar_t>>* __restrict__ coef,   // [N, C] or nullptr
+    const acc_t<scalar_t>* __restrict__ partial,  // [N * C, chunks, 2] or [N, chunks, C, 2]
+    const acc_t<scalar_t>* __restrict__ mean,     // [N, G]
+    const acc_t<scalar_t>* __restrict__ rstd,     // [N, G]
+    const scalar_t* __restrict__ gamma,           // [C] or nullptr
+    acc_t<scalar_t>* __restrict__ dgamma_part,    // [N, C] or nullptr
+    acc_t<scalar_t>* __restrict__ dbeta_part,     // [N, C] or nullptr
+    Coef<acc_t<scalar_t>>* __restrict__ coef,     // [N, C] or nullptr
     int64_t N, int C, int G, int64_t HxW, int64_t chunks, int64_t stride_n, int64_t stride_c,
     int64_t stride_k) {
   using A = acc_t<scalar_t>;

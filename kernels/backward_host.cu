@@ -206,6 +206,7 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
 std::string backward_plan(const at::Tensor& x, int64_t groups) {
   using namespace groupnorm;
   Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
+  if (x.numel() == 0) return "empty input: no launch";
   const c10::cuda::CUDAGuard guard(x.device());
   return describe_backward_plan(plan_backward(c.shape, c.shape.x_addr, x.device().index()));
 }

@@ -10,6 +10,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <mutex>
@@ -145,7 +146,7 @@ constexpr int64_t kMaxGrid = 1 << 30;
 // teams of more than kSplitTeam CTAs for more than kSplitAfterRounds rounds.
 // Each round ends in a team barrier whose cost grows with the team; measured
 // on an H200 (benchmarks/README.md): teams of 176 for 22 or 299 rounds lose
-// 11 % to the split kernel, teams of 5 to 48 for 3 to 20 rounds win by 6-25 %.
+// 11 % to the split kernel, teams of 3 to 48 for 1 to 20 rounds win by 6-27 %.
 constexpr int64_t kSplitTeam = 64;
 constexpr int64_t kSplitAfterRounds = 8;
 // A CTA's share of a unit is never cut below this: smaller slices spend more
@@ -348,7 +349,8 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
     const int64_t items = D * s.HxW / p.vec;
     // Units of fewer vectors than a full block get the warps they fill: fewer
     // warps make each block reduction (the latency of a tiny launch) shorter.
-    p.threads = int(std::min<int64_t>(kContiguousThreads, (items + kWarp - 1) / kWarp * kWarp));
+    p.threads =
+        int(std::clamp<int64_t>((items + kWarp - 1) / kWarp * kWarp, kWarp, kContiguousThreads));
     if (req.kernel == "split") {
       TORCH_CHECK_VALUE(req.team == 0, "groupnorm: the split kernel has no teams");
       plan_split(p, items);
@@ -624,6 +626,7 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Ten
 std::string plan(const at::Tensor& x, int64_t groups, const std::string& kernel, int64_t team) {
   using namespace groupnorm;
   Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
+  if (x.numel() == 0) return "empty input: no launch";
   const c10::cuda::CUDAGuard guard(x.device());
   std::string text;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "groupnorm_plan", [&] {
