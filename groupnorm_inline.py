@@ -224,12 +224,12 @@ def _cuda_forward(x, gamma, beta, groups, eps):
     case on torch 2.11 ("tensor does not have a device"), and the op's Python
     autograd is positional, so an absent weight or bias cannot shift its
     inputs."""
-    if torch.compiler.is_compiling() or ((gamma is None) != (beta is None) and
-                                         _needs_grad(x, gamma, beta)):
+    compiling = torch.compiler.is_compiling()
+    if not compiling and not _needs_grad(x, gamma, beta):
+        return load().forward(x, gamma, beta, groups, eps, "auto", 0)[0]
+    if compiling or (gamma is None) != (beta is None):
         return torch.ops.groupnorm_inline.forward(x, gamma, beta, groups, eps)[0]
-    if _needs_grad(x, gamma, beta):
-        return load().forward_autograd(x, gamma, beta, groups, eps)
-    return load().forward(x, gamma, beta, groups, eps, "auto", 0)[0]
+    return load().forward_autograd(x, gamma, beta, groups, eps)
 
 
 def plan(x, groups, *, kernel="auto", team=0, backward=False):
