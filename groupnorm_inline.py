@@ -217,18 +217,11 @@ def _cuda_forward(x, gamma, beta, groups, eps):
     """This module's kernels, with autograd where it is needed: the registered
     op while torch.compile / export trace, the C++ autograd function
     (kernels/autograd.h) in eager mode, the bare extension call without
-    gradients.
-
-    A weight without a bias or a bias without a weight also takes the
-    registered op in eager mode: the C++ function failed its backward for that
-    case on torch 2.11 ("tensor does not have a device"), and the op's Python
-    autograd is positional, so an absent weight or bias cannot shift its
-    inputs."""
-    compiling = torch.compiler.is_compiling()
-    if not compiling and not _needs_grad(x, gamma, beta):
-        return load().forward(x, gamma, beta, groups, eps, "auto", 0)[0]
-    if compiling or (gamma is None) != (beta is None):
+    gradients."""
+    if torch.compiler.is_compiling():
         return torch.ops.groupnorm_inline.forward(x, gamma, beta, groups, eps)[0]
+    if not _needs_grad(x, gamma, beta):
+        return load().forward(x, gamma, beta, groups, eps, "auto", 0)[0]
     return load().forward_autograd(x, gamma, beta, groups, eps)
 
 
