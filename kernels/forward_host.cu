@@ -23,7 +23,7 @@
 #include "forward_channels_last.cu"
 #include "forward_contiguous.cu"
 #include "forward_reference.cu"
-#include "forward_split.cu"
+#include "forward_stream.cu"
 
 namespace groupnorm {
 
@@ -54,8 +54,9 @@ std::string message(const Parts&... parts) {
 // ---------------------------------------------------------------------------
 struct DeviceInfo {
   int sms = 0;
-  int smem_per_sm = 0;       // bytes of shared memory per multiprocessor
-  int smem_per_block = 0;    // opt-in maximum for one block
+  int smem_per_sm = 0;     // bytes of shared memory per multiprocessor
+  int smem_per_block = 0;  // opt-in maximum for one block
+  int l2_bytes = 0;
   bool cooperative = false;  // co-resident launches (team barrier) allowed
 };
 
@@ -73,6 +74,7 @@ const DeviceInfo& device_info(int device) {
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.smem_per_block,
                                         cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&info.l2_bytes, cudaDevAttrL2CacheSize, device));
   info.cooperative = coop != 0;
   return cache.emplace(device, info).first->second;
 }
@@ -111,11 +113,11 @@ int blocks_per_sm(const void* kernel, int device, int threads, size_t smem) {
 // ---------------------------------------------------------------------------
 // The plan: which kernel runs for this shape, and why.
 // ---------------------------------------------------------------------------
-enum class Kernel { Reference, Contiguous, ChannelsLast, Split };
+enum class Kernel { Reference, Contiguous, ChannelsLast, Stream };
 
 struct Request {
-  std::string kernel = "auto";  // "auto", "reference", "contiguous", "split", "channels_last"
-  int64_t team = 0;             // CTAs per unit; 0 = choose
+  std::string kernel = "auto";  // "auto", "reference", "contiguous", "stream", "channels_last"
+  int64_t team = 0;             // CTAs per unit (stream: its lag in pieces); 0 = choose
 };
 
 struct Shape {
@@ -134,21 +136,16 @@ struct Plan {
   int rows_per_step = 1;  // channels-last: rows in flight per sweep step
   int64_t units = 0;      // groups (contiguous) or samples (channels-last)
   int64_t slice = 0;      // items per CTA: vectors (contiguous) or rows (channels-last)
-  int team = 1;           // CTAs per unit (split: pieces per unit)
+  int team = 1;           // CTAs per unit (stream: pieces per unit)
   int64_t rounds = 1;     // units each team handles in turn
+  int64_t lag = 0;        // stream: pieces the statistics run ahead
+  int64_t slots = 0;      // stream: units whose piece statistics are kept at once
   int64_t grid = 0;
   size_t smem = 0;
   std::string why;
 };
 
 constexpr int64_t kMaxGrid = 1 << 30;
-// Where three streaming launches (forward_split.cu) beat the team kernel:
-// teams of more than kSplitTeam CTAs for more than kSplitAfterRounds rounds.
-// Each round ends in a team barrier whose cost grows with the team; measured
-// on an H200 (benchmarks/README.md): teams of 176 for 22 or 299 rounds lose
-// 11 % to the split kernel, teams of 3 to 48 for 1 to 20 rounds win by 6-27 %.
-constexpr int64_t kSplitTeam = 64;
-constexpr int64_t kSplitAfterRounds = 8;
 // A CTA's share of a unit is never cut below this: smaller slices spend more
 // time in the team barrier than in moving bytes.
 constexpr int64_t kMinSliceBytes = 8 * 1024;
@@ -176,6 +173,10 @@ int widest_vector(size_t elem, uintptr_t addr, std::initializer_list<int64_t> mu
 template <typename scalar_t, int V>
 const void* contiguous_kernel() {
   return reinterpret_cast<const void*>(&groupnorm_forward_contiguous_kernel<scalar_t, V>);
+}
+template <typename scalar_t, int V>
+const void* stream_kernel() {
+  return reinterpret_cast<const void*>(&groupnorm_stream_kernel<scalar_t, V>);
 }
 template <typename scalar_t, int V>
 const void* channels_last_kernel() {
@@ -296,8 +297,8 @@ const char* kernel_name(Kernel k) {
   switch (k) {
     case Kernel::Contiguous:
       return "contiguous";
-    case Kernel::Split:
-      return "split";
+    case Kernel::Stream:
+      return "stream";
     case Kernel::ChannelsLast:
       return "channels_last";
     default:
@@ -305,22 +306,39 @@ const char* kernel_name(Kernel k) {
   }
 }
 
-// Three streaming launches for contiguous units of `items` vectors.
-void plan_split(Plan& p, int64_t items) {
-  const int64_t tiles = (items + kSplitTileVecs - 1) / kSplitTileVecs;
-  const int64_t chunks = std::min(kMaxSplitChunks, tiles);
-  p.kernel = Kernel::Split;
-  p.threads = kSplitThreads;
-  p.slice = (tiles + chunks - 1) / chunks * kSplitTileVecs;  // whole tiles per piece
-  p.team = int((items + p.slice - 1) / p.slice);
+// One launch for contiguous units of `items` vectors: statistics `lag`
+// pieces ahead of the normalisation (forward_stream.cu). The lag covers one
+// unit, so that every statistics item of a unit comes before its normalise
+// items, plus the larger of one piece per resident CTA (the items in flight)
+// and a quarter of L2 (measured best on an H200 between 1/8 and 1/2 of it:
+// benchmarks/README.md); L2 still holds a piece when it is read again.
+void plan_stream(Plan& p, const void* kernel, int64_t piece_vecs, size_t vec_bytes, int device,
+                 int64_t items, const Request& req) {
+  const DeviceInfo& dev = device_info(device);
+  const int64_t pieces = (items + piece_vecs - 1) / piece_vecs;
+  const int64_t total = p.units * pieces;
+  p.kernel = Kernel::Stream;
+  p.threads = kStreamThreads;
+  p.slice = piece_vecs;
+  p.team = int(pieces);
   p.kept = 0;
   p.smem = 0;
-  p.grid = std::min(p.units * p.team, kMaxGrid);
+  const int64_t resident = int64_t(blocks_per_sm(kernel, device, kStreamThreads, 0)) * dev.sms;
+  TORCH_CHECK(resident > 0, "groupnorm: the stream kernel does not fit on this device");
+  p.grid = std::min({resident, 2 * total, kMaxGrid});
+  const int64_t l2_pieces = int64_t(dev.l2_bytes / 4 / (piece_vecs * vec_bytes));
+  // lag >= pieces keeps the ticket order deadlock-free (forward_stream.cu).
+  const int64_t lag = req.team > 0 ? req.team : pieces + std::max(resident, l2_pieces);
+  p.lag = std::min(total, std::max(pieces, lag));
+  // Units between the normalising and the statistics front, and one more.
+  p.slots = std::min(p.units, (p.lag + 2 * p.grid + pieces - 1) / pieces + 1);
 }
 
 // Which kernel runs for this shape, and why. Contiguous input takes the
-// contiguous kernel, or the split one where the team kernel would need many
-// rounds of large teams; channels-last input the channels-last kernel
+// stream kernel when it is larger than L2 (its second read of x then comes
+// from L2 while the team kernel waits at team barriers; measured on an H200 in
+// benchmarks/README.md), the contiguous team kernel otherwise; channels-last
+// input the channels-last kernel
 // unless C is too wide for one thread per column (then the reference kernel,
 // which reads any layout). The fast kernels use 16-byte accesses where the
 // address, C/G and HxW allow, narrower ones otherwise.
@@ -331,11 +349,11 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
   const size_t acc = sizeof(acc_t<scalar_t>);
   const bool want_ref = req.kernel == "reference";
   TORCH_CHECK_VALUE(want_ref || req.kernel == "auto" || req.kernel == "contiguous" ||
-                        req.kernel == "split" || req.kernel == "channels_last",
+                        req.kernel == "stream" || req.kernel == "channels_last",
                     message("groupnorm: unknown kernel '", req.kernel,
-                            "' (expected auto, reference, contiguous, split or channels_last)"));
+                            "' (expected auto, reference, contiguous, stream or channels_last)"));
   TORCH_CHECK_VALUE(
-      s.channels_last ? req.kernel != "contiguous" && req.kernel != "split"
+      s.channels_last ? req.kernel != "contiguous" && req.kernel != "stream"
                       : req.kernel != "channels_last",
       message("groupnorm: kernel '", req.kernel, "' does not match the input's layout (",
               s.channels_last ? "channels_last" : "contiguous", ")"));
@@ -351,18 +369,22 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
     // warps make each block reduction (the latency of a tiny launch) shorter.
     p.threads =
         int(std::clamp<int64_t>((items + kWarp - 1) / kWarp * kWarp, kWarp, kContiguousThreads));
-    if (req.kernel == "split") {
-      TORCH_CHECK_VALUE(req.team == 0, "groupnorm: the split kernel has no teams");
-      plan_split(p, items);
-      p.why = "split requested";
+    const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
+    const bool auto_stream =
+        req.kernel == "auto" && req.team == 0 && bytes >= size_t(device_info(device).l2_bytes);
+    if (req.kernel == "stream" || auto_stream) {
+      int64_t piece_vecs = 0;
+      with_vec<scalar_t, kContiguousVecBytes>(p.vec, [&](auto v) {
+        k = stream_kernel<scalar_t, decltype(v)::value>();
+        piece_vecs = stream_piece_vecs<decltype(v)::value>();
+      });
+      plan_stream(p, k, piece_vecs, p.vec * s.elem, device, items, req);
+      p.why = auto_stream    ? "input larger than L2"
+              : req.team > 0 ? "stream requested, lag forced"
+                             : "stream requested";
       return p;
     }
     plan_teams(p, k, device, items, p.vec * s.elem, 1, p.threads, acc, req);
-    if (req.kernel == "auto" && req.team == 0 && p.team > kSplitTeam &&
-        p.rounds > kSplitAfterRounds) {
-      p.why = std::to_string(p.rounds) + " rounds of teams of " + std::to_string(p.team);
-      plan_split(p, items);
-    }
     return p;
   }
   if (!want_ref) {
@@ -397,9 +419,10 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
 }
 
 std::string describe_plan(const Plan& p) {
-  if (p.kernel == Kernel::Split) {
-    return "split vec=" + std::to_string(p.vec) + " pieces=" + std::to_string(p.team) +
-           " piece=" + std::to_string(p.slice) + " grid=" + std::to_string(p.grid) + " (" + p.why +
+  if (p.kernel == Kernel::Stream) {
+    return "stream vec=" + std::to_string(p.vec) + " pieces=" + std::to_string(p.team) +
+           " piece=" + std::to_string(p.slice) + " lag=" + std::to_string(p.lag) +
+           " slots=" + std::to_string(p.slots) + " grid=" + std::to_string(p.grid) + " (" + p.why +
            ")";
   }
   return std::string(kernel_name(p.kernel)) + " vec=" + std::to_string(p.vec) +
@@ -557,26 +580,28 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
       });
       break;
     }
-    case Kernel::Split: {
+    case Kernel::Stream: {
       const int64_t L = int64_t(D) * s.HxW;
-      const int64_t chunks = p.team;
-      storage = at::empty({p.units * chunks * 2}, mean.options());
-      A* partial = storage.data_ptr<A>();
+      const int64_t total = p.units * p.team;
+      const int64_t counters =
+          (int64_t(sizeof(unsigned long long)) + 2 * p.units * int64_t(sizeof(int)) + 15) / 16 * 16;
+      storage = at::empty({counters + p.slots * p.team * 2 * int64_t(sizeof(A))},
+                          y.options().dtype(at::kByte));
+      auto* base = storage.data_ptr<uint8_t>();
+      C10_CUDA_CHECK(cudaMemsetAsync(base, 0, counters, stream));
+      StreamWorkspace ws;
+      ws.next = reinterpret_cast<unsigned long long*>(base);
+      ws.arrived = reinterpret_cast<int*>(base + sizeof(unsigned long long));
+      ws.ready = ws.arrived + p.units;
+      A* partial = reinterpret_cast<A*>(base + counters);
       const bool fast_div = L < (int64_t(1) << 31);
       const FastDivider hxw_div(fast_div ? uint32_t(s.HxW) : 1u);
-      const unsigned grid = unsigned(p.grid);
+      const StreamOrder order{total, p.lag};
       with_vec<scalar_t, kContiguousVecBytes>(p.vec, [&](auto v) {
-        constexpr int V = decltype(v)::value;
-        groupnorm_split_stats_kernel<scalar_t, V>
-            <<<grid, kSplitThreads, 0, stream>>>(x, partial, p.units, L, p.slice, chunks);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        groupnorm_split_combine_kernel<A>
-            <<<unsigned(std::min(p.units, kMaxGrid)), kSplitThreads, 0, stream>>>(
-                partial, mean_p, rstd_p, p.units, L, p.slice * p.vec, chunks, A(eps));
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        groupnorm_split_normalize_kernel<scalar_t, V>
-            <<<grid, kSplitThreads, 0, stream>>>(x, gamma, beta, mean_p, rstd_p, out, p.units, L,
-                                                 s.HxW, s.G, D, p.slice, chunks, hxw_div, fast_div);
+        groupnorm_stream_kernel<scalar_t, decltype(v)::value>
+            <<<unsigned(p.grid), kStreamThreads, 0, stream>>>(
+                x, gamma, beta, out, mean_p, rstd_p, partial, ws, L, s.HxW, s.G, D, p.team, p.slots,
+                order, hxw_div, fast_div, A(eps));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       break;

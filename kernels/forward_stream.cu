@@ -1,0 +1,254 @@
+// GroupNorm forward for contiguous (N, C, *) input in one launch that reads x
+// from DRAM about once, for groups too large to keep on chip (KernelBench
+// L1-35: 896 groups of 8 MiB).
+//
+// Every unit (sample, group) is cut into pieces of stream_piece_vecs vectors.
+// Each piece is visited twice: a statistics item (exact centred mean and M2
+// of the piece) and, later, a normalise item. CTAs claim items from one
+// ticket counter in a fixed order in which the statistics run `lag` pieces
+// ahead of the normalisation:
+//
+//   S(0) .. S(lag-1), S(lag) N(0), S(lag+1) N(1), ..., N(total-lag) .. N(total-1)
+//
+// so a piece is read a second time while L2 still holds it from its first
+// read, lag pieces later. The CTA whose statistics item completes a unit
+// merges the unit's pieces in piece order (deterministic), writes mean and
+// rstd and raises the unit's ready flag; a normalise item loads its piece,
+// then waits for that flag (rarely: with lag >= pieces per unit plus the
+// items in flight, the unit finished long before).
+//
+// Tried and slower on an H200 (benchmarks/README.md): pieces staged in shared
+// memory by cp.async, three per CTA, so loads run while a CTA reduces; and
+// reading each atomic's result one item later instead of at once.
+//
+// No deadlock, whatever is resident: lag >= pieces per unit puts every
+// statistics item of a unit before that unit's normalise items in ticket
+// order, statistics items never wait, and a CTA works on its tickets in the
+// order it claimed them. So the unfinished item with the smallest ticket can
+// always run. No cooperative launch is needed.
+// Extra memory: two counters per unit, and (mean, M2) per piece for `slots`
+// units in a ring: unit u writes slot u % slots once unit u - slots is
+// merged (its ready flag; slots cover the lag and the items in flight, so
+// that wait is nearly always over before it starts). O(N * G) plus about the
+// lag's worth of pairs, whatever the group size.
+#include "common.cuh"
+
+namespace groupnorm {
+
+constexpr int kStreamThreads = 256;
+// Vectors per thread per piece, held in registers: 8, or 4 for 8-element
+// vectors (half, bfloat16), whose float conversions would double the
+// registers and halve the CTAs per SM.
+template <int V>
+constexpr int stream_items() {
+  return V >= 8 ? 4 : 8;
+}
+template <int V>
+constexpr int stream_piece_vecs() {
+  return kStreamThreads * stream_items<V>();
+}
+// CTAs per SM the register budget is sized for (measured on an H200:
+// benchmarks/README.md).
+template <int V>
+constexpr int stream_blocks_per_sm() {
+  return V >= 8 ? 4 : 3;
+}
+
+// One vector load with an L2 eviction priority: evict_last for the first
+// read of a piece (L2 should still hold it at the second), evict_first for
+// the second. Hints need sm_80 and 16-byte vectors; other loads are plain.
+template <typename VecT>
+__device__ __forceinline__ VecT load_with_l2_priority(const VecT* p, bool keep) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (sizeof(VecT) == 16) {
+    uint64_t policy;
+    if (keep) {
+      asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+    } else {
+      asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+    }
+    VecT v;
+    uint32_t* r = reinterpret_cast<uint32_t*>(&v);
+    asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "l"(p), "l"(policy));
+    return v;
+  }
+#endif
+  return *p;
+}
+
+struct StreamWorkspace {
+  unsigned long long* next;  // [1]     next ticket to hand out
+  int* arrived;              // [units] statistics items finished
+  int* ready;                // [units] 1 once the unit's mean and rstd are written
+};
+
+// Ticket -> item in the order above. total: pieces in all units.
+struct StreamOrder {
+  int64_t total, lag;
+  // True for a statistics item; `piece` is the global piece index.
+  __device__ __forceinline__ bool item(int64_t t, int64_t& piece) const {
+    if (t < lag) {
+      piece = t;
+      return true;
+    }
+    const int64_t r = t - lag;
+    const int64_t paired = total - lag;  // statistics items after the first `lag`
+    if (r < 2 * paired) {
+      piece = (r & 1) == 0 ? lag + r / 2 : r / 2;
+      return (r & 1) == 0;
+    }
+    piece = paired + (r - 2 * paired);
+    return false;
+  }
+};
+
+__device__ __forceinline__ void store_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+// Whether the 16-byte loads of a piece carry L2 eviction priorities
+// (load_with_l2_priority). Measured on an H200 (benchmarks/README.md): 1-4 %
+// faster with 4-element vectors (float), about 10 % slower with 8-element
+// ones (half, bfloat16), whose pieces are half as large.
+template <int V>
+constexpr bool stream_l2_hints() {
+  return V < 8;
+}
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm<V>())
+    groupnorm_stream_kernel(const scalar_t* __restrict__ x,         // [units, L]
+                            const scalar_t* __restrict__ gamma,     // [C] or nullptr
+                            const scalar_t* __restrict__ beta,      // [C] or nullptr
+                            scalar_t* __restrict__ y,               // [units, L]
+                            acc_t<scalar_t>* __restrict__ mean,     // [units]
+                            acc_t<scalar_t>* __restrict__ rstd,     // [units]
+                            acc_t<scalar_t>* __restrict__ partial,  // [slots, pieces, 2]
+                            StreamWorkspace ws, int64_t L, int64_t HxW, int G, int D,
+                            int64_t pieces, int64_t slots, StreamOrder order, FastDivider hxw_div,
+                            bool fast_div, acc_t<scalar_t> eps) {
+  using A = acc_t<scalar_t>;
+  using VecT = Vec<scalar_t, V>;
+  constexpr int kItems = stream_items<V>();
+  constexpr int kPieceVecs = stream_piece_vecs<V>();
+  __shared__ A scratch[3 * kStreamThreads / kWarp];
+  __shared__ long long ticket[2];  // the current and the next item
+  __shared__ A unit_mean, unit_rstd;
+  __shared__ bool completes_unit;
+  const int tid = threadIdx.x;
+  const int64_t nvec_unit = L / V;  // host: HxW % V == 0
+  const int64_t tickets = 2 * order.total;
+
+  if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
+  __syncthreads();
+  for (int cur = 0;; cur ^= 1) {
+    const int64_t t = ticket[cur];
+    if (t >= tickets) break;
+    // The next ticket's latency hides behind this item; it is read after
+    // this item's last barrier.
+    if (tid == 0) ticket[cur ^ 1] = (long long)atomicAdd(ws.next, 1ull);
+    int64_t b;
+    const bool stats = order.item(t, b);
+    const int64_t unit = b / pieces;
+    const int64_t begin = (b % pieces) * kPieceVecs;
+    const int64_t count = min(int64_t(kPieceVecs), nvec_unit - begin);
+    const VecT* xs = reinterpret_cast<const VecT*>(x + unit * L) + begin;
+    VecT v[kItems];
+#pragma unroll
+    for (int u = 0; u < kItems; ++u) {
+      const int64_t i = int64_t(u) * kStreamThreads + tid;
+      if (i < count) {
+        v[u] = stream_l2_hints<V>() ? load_with_l2_priority(xs + i, stats) : xs[i];
+      }
+    }
+    // Whether this unit's ring slot is free, asked while the loads fly.
+    int slot_free = 1;
+    if (stats && tid == 0 && unit >= slots) slot_free = load_acquire(&ws.ready[unit - slots]);
+
+    if (stats) {
+      // The piece's first element as a shift keeps the float sum small for
+      // inputs far from zero (1000 + randn).
+      const A shift = static_cast<A>(xs[0].val[0]);
+      A sum = 0;
+#pragma unroll
+      for (int u = 0; u < kItems; ++u) {
+        if (int64_t(u) * kStreamThreads + tid < count) {
+#pragma unroll
+          for (int e = 0; e < V; ++e) sum += static_cast<A>(v[u].val[e]) - shift;
+        }
+      }
+      const A n_piece = A(count * V);
+      const A piece_mean = shift + block_sum(sum, scratch) / n_piece;
+      A m2 = 0;
+#pragma unroll
+      for (int u = 0; u < kItems; ++u) {
+        if (int64_t(u) * kStreamThreads + tid < count) {
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            const A d = static_cast<A>(v[u].val[e]) - piece_mean;
+            m2 += d * d;
+          }
+        }
+      }
+      m2 = block_sum(m2, scratch);
+      if (tid == 0) {
+        while (slot_free == 0) {
+          __nanosleep(64);
+          slot_free = load_acquire(&ws.ready[unit - slots]);
+        }
+        A* slot = partial + (unit % slots) * pieces * 2;
+        slot[(b % pieces) * 2 + 0] = piece_mean;
+        slot[(b % pieces) * 2 + 1] = m2;
+        __threadfence();  // the partial is visible before the arrival counts
+        completes_unit = atomicAdd(&ws.arrived[unit], 1) == int(pieces) - 1;
+        if (completes_unit) __threadfence();  // and every other piece's partial to us
+      }
+      __syncthreads();
+      if (completes_unit) {
+        const SliceCounts<A> count_of{int64_t(kPieceVecs) * V, L, 1};
+        merge_partials(partial + (unit % slots) * pieces * 2, int(pieces), 1, 0, 1, count_of,
+                       scratch, [&](int, const Stats<A>& st) {
+                         mean[unit] = st.mean;
+                         rstd[unit] = rsqrt(st.m2 / A(L) + eps);
+                         __threadfence();
+                         store_release(&ws.ready[unit], 1);
+                       });
+      }
+    } else {
+      // The loads above are in flight while thread 0 waits for the unit.
+      if (tid == 0) {
+        while (load_acquire(&ws.ready[unit]) == 0) __nanosleep(64);
+        unit_mean = __ldcg(&mean[unit]);
+        unit_rstd = __ldcg(&rstd[unit]);
+      }
+      __syncthreads();
+      const A mu = unit_mean;
+      const A rs = unit_rstd;
+      const int64_t c0 = int64_t(unit % G) * D;
+      VecT* ys = reinterpret_cast<VecT*>(y + unit * L) + begin;
+      // A vector never straddles two channels (host: HxW % V == 0). Units
+      // under 2^31 elements find the channel with a multiply and a shift.
+#pragma unroll
+      for (int u = 0; u < kItems; ++u) {
+        const int64_t i = int64_t(u) * kStreamThreads + tid;
+        if (i < count) {
+          const int64_t within = (begin + i) * V;
+          const int64_t c = c0 + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
+          const A a = gamma != nullptr ? rs * static_cast<A>(gamma[c]) : rs;
+          const A sh = beta != nullptr ? static_cast<A>(beta[c]) : A(0);
+          VecT out;
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            out.val[e] = static_cast<scalar_t>((static_cast<A>(v[u].val[e]) - mu) * a + sh);
+          }
+          store_vec_streaming<scalar_t, V>(reinterpret_cast<scalar_t*>(ys + i), out);
+        }
+      }
+    }
+    __syncthreads();  // the next ticket is visible; shared values may be reused
+  }
+}
+
+}  // namespace groupnorm
