@@ -306,6 +306,11 @@ const char* kernel_name(Kernel k) {
   }
 }
 
+// Groups of fewer pieces stay with the team kernel, which reads a small group
+// once with one CTA and no atomics: the stream kernel was measured (and won)
+// only with 8 pieces a group or more (benchmarks/README.md).
+constexpr int64_t kStreamMinPieces = 8;
+
 // One launch for contiguous units of `items` vectors: statistics `lag`
 // pieces ahead of the normalisation (forward_stream.cu). The lag covers one
 // unit, so that every statistics item of a unit comes before its normalise
@@ -335,7 +340,8 @@ void plan_stream(Plan& p, const void* kernel, int64_t piece_vecs, size_t vec_byt
 }
 
 // Which kernel runs for this shape, and why. Contiguous input takes the
-// stream kernel when it is larger than L2 (its second read of x then comes
+// stream kernel when it is at least as large as L2 and its groups have
+// kStreamMinPieces pieces or more (its second read of x then comes
 // from L2 while the team kernel waits at team barriers; measured on an H200 in
 // benchmarks/README.md), the contiguous team kernel otherwise; channels-last
 // input the channels-last kernel
@@ -370,16 +376,17 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
     p.threads =
         int(std::clamp<int64_t>((items + kWarp - 1) / kWarp * kWarp, kWarp, kContiguousThreads));
     const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
-    const bool auto_stream =
-        req.kernel == "auto" && req.team == 0 && bytes >= size_t(device_info(device).l2_bytes);
+    int64_t piece_vecs = 0;
+    with_vec<scalar_t, kContiguousVecBytes>(
+        p.vec, [&](auto v) { piece_vecs = stream_piece_vecs<decltype(v)::value>(); });
+    const bool auto_stream = req.kernel == "auto" && req.team == 0 &&
+                             bytes >= size_t(device_info(device).l2_bytes) &&
+                             items >= kStreamMinPieces * piece_vecs;
     if (req.kernel == "stream" || auto_stream) {
-      int64_t piece_vecs = 0;
-      with_vec<scalar_t, kContiguousVecBytes>(p.vec, [&](auto v) {
-        k = stream_kernel<scalar_t, decltype(v)::value>();
-        piece_vecs = stream_piece_vecs<decltype(v)::value>();
-      });
+      with_vec<scalar_t, kContiguousVecBytes>(
+          p.vec, [&](auto v) { k = stream_kernel<scalar_t, decltype(v)::value>(); });
       plan_stream(p, k, piece_vecs, p.vec * s.elem, device, items, req);
-      p.why = auto_stream    ? "input larger than L2"
+      p.why = auto_stream    ? "input at least L2's size"
               : req.team > 0 ? "stream requested, lag forced"
                              : "stream requested";
       return p;
