@@ -72,6 +72,33 @@ struct FastDivider {
   }
 };
 
+// y = (x - mean) * scale + shift for one channel, with scale = rstd * gamma[c]
+// and shift = beta[c]. Subtracting the mean first keeps shifted inputs
+// accurate (x * scale + (shift - mean * scale) would cancel).
+template <typename A>
+struct ChannelAffine {
+  A scale, shift;
+};
+
+template <typename scalar_t, typename A>
+__device__ __forceinline__ ChannelAffine<A> channel_affine(int64_t c, A rstd,
+                                                           const scalar_t* __restrict__ gamma,
+                                                           const scalar_t* __restrict__ beta) {
+  return {gamma != nullptr ? rstd * static_cast<A>(gamma[c]) : rstd,
+          beta != nullptr ? static_cast<A>(beta[c]) : A(0)};
+}
+
+template <typename scalar_t, int V, typename A>
+__device__ __forceinline__ Vec<scalar_t, V> normalise_vec(const Vec<scalar_t, V>& v, A mean,
+                                                          ChannelAffine<A> f) {
+  Vec<scalar_t, V> out;
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    out.val[e] = static_cast<scalar_t>((static_cast<A>(v.val[e]) - mean) * f.scale + f.shift);
+  }
+  return out;
+}
+
 template <typename A>
 __device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll
@@ -155,6 +182,10 @@ __device__ __forceinline__ int load_acquire(const int* p) {
 
 __device__ __forceinline__ void add_release(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ __forceinline__ void store_release(int* p, int v) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
 // Makes this block's earlier global writes visible, adds one to *counter,

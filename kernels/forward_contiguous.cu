@@ -97,9 +97,8 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
     const A mu = sh.mean[0];
     const A rs = sh.rstd[0];
 
-    // Sweep 3: y = (x - mean) * a + beta[c] with a = rstd * gamma[c]; subtracting
-    // first keeps shifted inputs accurate (x * a + b would cancel).
-    // A vector never straddles two channels (host: HxW % V == 0).
+    // Sweep 3: y = (x - mean) * rstd * gamma[c] + beta[c]. A vector never
+    // straddles two channels (host: HxW % V == 0).
     const int64_t c0 = int64_t(unit % G) * D;
     const int64_t start_channel = begin / HxW;
     const int64_t start_offset = begin - start_channel * HxW;
@@ -108,14 +107,8 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
       const int64_t within = start_offset + i * V;
       const int64_t ch =
           start_channel + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
-      const A a = gamma != nullptr ? rs * static_cast<A>(gamma[c0 + ch]) : rs;
-      const A b = beta != nullptr ? static_cast<A>(beta[c0 + ch]) : A(0);
-      VecT out;
-#pragma unroll
-      for (int e = 0; e < V; ++e) {
-        out.val[e] = static_cast<scalar_t>((static_cast<A>(v.val[e]) - mu) * a + b);
-      }
-      store_vec_streaming<scalar_t, V>(ys + i * V, out);
+      store_vec_streaming<scalar_t, V>(
+          ys + i * V, normalise_vec(v, mu, channel_affine(c0 + ch, rs, gamma, beta)));
     }
     __syncthreads();  // the kept slice and shared statistics are reused
   }

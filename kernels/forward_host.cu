@@ -17,6 +17,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "common.cuh"
@@ -81,11 +82,18 @@ const DeviceInfo& device_info(int device) {
 
 // Dynamic shared memory one block of `kernel` may ask for: the device's opt-in
 // maximum less the kernel's static shared memory (asking for more than that
-// makes cudaFuncSetAttribute fail).
+// makes cudaFuncSetAttribute fail). Cached: plans ask on every call.
 size_t dynamic_smem_limit(const void* kernel, int device) {
+  static std::mutex lock;
+  static std::map<std::pair<const void*, int>, size_t> cache;
+  std::lock_guard<std::mutex> guard(lock);
+  const auto key = std::make_pair(kernel, device);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
   cudaFuncAttributes attributes;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  return size_t(device_info(device).smem_per_block) - attributes.sharedSizeBytes;
+  const size_t limit = size_t(device_info(device).smem_per_block) - attributes.sharedSizeBytes;
+  return cache.emplace(key, limit).first->second;
 }
 
 // Blocks of `kernel` that fit on one SM with this many threads and bytes of
@@ -377,15 +385,16 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
         int(std::clamp<int64_t>((items + kWarp - 1) / kWarp * kWarp, kWarp, kContiguousThreads));
     const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
     int64_t piece_vecs = 0;
-    with_vec<scalar_t, kContiguousVecBytes>(
-        p.vec, [&](auto v) { piece_vecs = stream_piece_vecs<decltype(v)::value>(); });
+    const void* stream_k = nullptr;
+    with_vec<scalar_t, kContiguousVecBytes>(p.vec, [&](auto v) {
+      piece_vecs = stream_piece_vecs<decltype(v)::value>();
+      stream_k = stream_kernel<scalar_t, decltype(v)::value>();
+    });
     const bool auto_stream = req.kernel == "auto" && req.team == 0 &&
                              bytes >= size_t(device_info(device).l2_bytes) &&
                              items >= kStreamMinPieces * piece_vecs;
     if (req.kernel == "stream" || auto_stream) {
-      with_vec<scalar_t, kContiguousVecBytes>(
-          p.vec, [&](auto v) { k = stream_kernel<scalar_t, decltype(v)::value>(); });
-      plan_stream(p, k, piece_vecs, p.vec * s.elem, device, items, req);
+      plan_stream(p, stream_k, piece_vecs, p.vec * s.elem, device, items, req);
       p.why = auto_stream    ? "input at least L2's size"
               : req.team > 0 ? "stream requested, lag forced"
                              : "stream requested";

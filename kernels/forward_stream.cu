@@ -107,10 +107,6 @@ struct StreamOrder {
   }
 };
 
-__device__ __forceinline__ void store_release(int* p, int v) {
-  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-
 // Whether the 16-byte loads of a piece carry L2 eviction priorities
 // (load_with_l2_priority). Measured on an H200 (benchmarks/README.md): 1-4 %
 // faster with 4-element vectors (float), about 10 % slower with 8-element
@@ -239,14 +235,9 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm<V>())
         if (i < count) {
           const int64_t within = (begin + i) * V;
           const int64_t c = c0 + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
-          const A a = gamma != nullptr ? rs * static_cast<A>(gamma[c]) : rs;
-          const A sh = beta != nullptr ? static_cast<A>(beta[c]) : A(0);
-          VecT out;
-#pragma unroll
-          for (int e = 0; e < V; ++e) {
-            out.val[e] = static_cast<scalar_t>((static_cast<A>(v[u].val[e]) - mu) * a + sh);
-          }
-          store_vec_streaming<scalar_t, V>(reinterpret_cast<scalar_t*>(ys + i), out);
+          store_vec_streaming<scalar_t, V>(
+              reinterpret_cast<scalar_t*>(ys + i),
+              normalise_vec(v[u], mu, channel_affine(c, rs, gamma, beta)));
         }
       }
     }
