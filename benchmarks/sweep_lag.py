@@ -1,0 +1,51 @@
+"""The stream kernel's lag on this card: the default (from L2's size, read at
+run time) against other lags, on the contiguous shapes that take the stream
+kernel. Forced `kernel="stream"` with `team` = lag in pieces; P = pieces per
+group, R = resident CTAs; % of the one-read-one-write floor at the copy
+bandwidth measured in the same run.
+
+    python3 benchmarks/sweep_lag.py
+"""
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_groupnorm as bench  # noqa: E402
+import groupnorm_inline as gn  # noqa: E402
+
+CASES = [((8, 64, 512, 512), 8, torch.float32), ((16, 256, 16000), 16, torch.float32),
+         ((1, 128, 512, 512), 32, torch.bfloat16), ((2, 512, 16, 64, 64), 32, torch.bfloat16)]
+
+
+def plan_field(text, name):
+    return int(text.split(f" {name}=")[1].split()[0])
+
+
+def main():
+    copy_bw = bench.copy_bandwidth()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB")
+    for shape, groups, dtype in CASES:
+        inputs = bench.make_inputs(shape, dtype, "contiguous", 8 * 2**30)
+        x = inputs[0]
+        floor_ms = 2 * x.numel() * x.element_size() / copy_bw * 1e3
+        text = gn.plan(x, groups, kernel="stream")
+        pieces, resident = plan_field(text, "pieces"), plan_field(text, "grid")
+        piece_bytes = plan_field(text, "piece") * 16
+        print(f"{shape} G={groups} {dtype}: {text}")
+        lags = {"default": plan_field(text, "lag"), "P+R": pieces + resident,
+                "P+2R": pieces + 2 * resident, "P+L2/8": pieces + l2 // 8 // piece_bytes,
+                "P+L2/2": pieces + l2 // 2 // piece_bytes}
+        for name, lag in lags.items():
+            ms = bench.median_ms(bench.rotating(
+                lambda t: gn.groupnorm_cuda(t, None, None, groups, kernel="stream", team=lag), inputs))
+            print(f"  lag {name:8s} {lag:6d}  {ms:.4f} ms  {100 * floor_ms / ms:5.1f} % of floor")
+        del inputs, x
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
