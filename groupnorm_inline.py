@@ -9,7 +9,7 @@ compiled on first use with torch.utils.cpp_extension.load_inline.
     model = gn.replace_groupnorm(model)             # swap every nn.GroupNorm
 
 Command line:
-    python groupnorm_inline.py                      build and self-check
+    python groupnorm_inline.py [check]              build and self-check
     python groupnorm_inline.py bundle OUT.py        standalone single-file copy
     python groupnorm_inline.py bundle --kernelbench level1-35 OUT.py
 """
@@ -18,6 +18,7 @@ import argparse
 import glob
 import hashlib
 import importlib.util
+import numbers
 import os
 import re
 import sys
@@ -122,6 +123,32 @@ def _check_toolchain():
         raise RuntimeError("groupnorm_inline: ninja was not found; install it with `pip install ninja`")
 
 
+def _load_cached(cpp_extension, name, built, lock):
+    """The extension from an earlier build, or None. torch builds under
+    build_dir/lock, and a library seen during a build may be half written.
+    Older torch (FileBaton) holds the lock file only while building; newer
+    torch takes an OS lock on a file that stays, so that lock is waited for."""
+    def imported():
+        spec = importlib.util.spec_from_file_location(name, built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    if hasattr(cpp_extension, "FileBaton") or not hasattr(cpp_extension, "FileLock"):
+        return imported() if os.path.exists(built) and not os.path.exists(lock) else None
+    if not os.path.exists(built):
+        return None
+    try:
+        file_lock = cpp_extension.FileLock(lock)
+        file_lock.acquire()
+    except OSError:  # a read-only cache: nobody can be building in it
+        return imported()
+    try:
+        return imported()
+    finally:
+        file_lock.release()
+
+
 def load():
     """The compiled extension, built on first use and cached on disk.
 
@@ -136,12 +163,8 @@ def load():
     name = extension_name(arch)
     build_dir = cpp_extension._get_build_directory(name, verbose=False)
     built = os.path.join(build_dir, name + (".pyd" if os.name == "nt" else ".so"))
-    # torch holds build_dir/lock while it builds: a library seen then may be
-    # half written, so wait for the build through load_inline instead.
-    if os.path.exists(built) and not os.path.exists(os.path.join(build_dir, "lock")):
-        spec = importlib.util.spec_from_file_location(name, built)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+    module = _load_cached(cpp_extension, name, built, os.path.join(build_dir, "lock"))
+    if module is not None:
         _extension = module
         return module
 
@@ -176,13 +199,20 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
-def _check_scalars(num_groups, eps):
-    if isinstance(num_groups, bool) or not isinstance(num_groups, int):
-        raise TypeError(f"groupnorm: num_groups must be an int, got {type(num_groups).__name__}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"groupnorm: eps must be a float, got {type(eps).__name__}")
+def _check_scalars(caller, num_groups, eps):
+    """(num_groups, eps) as int and float. Like nn.GroupNorm, any integral and
+    real number is taken (numpy scalars included), bools are not."""
+    if type(num_groups) is not int:
+        if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
+            raise TypeError(f"{caller}: num_groups must be an int, got {type(num_groups).__name__}")
+        num_groups = int(num_groups)
+    if type(eps) is not float:
+        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+            raise TypeError(f"{caller}: eps must be a float, got {type(eps).__name__}")
+        eps = float(eps)
     if not (eps >= 0 and eps != float("inf")):
-        raise ValueError(f"groupnorm: eps must be finite and >= 0, got {eps}")
+        raise ValueError(f"{caller}: eps must be finite and >= 0, got {eps}")
+    return num_groups, eps
 
 
 def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
@@ -201,16 +231,16 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
     if not x.is_cuda:
         raise ValueError(f"groupnorm_cuda: x must be a CUDA tensor, got one on {x.device}; "
                          "group_norm() also takes CPU tensors")
-    _check_scalars(groups, eps)
+    groups, eps = _check_scalars("groupnorm_cuda", groups, eps)
     if _func_transformed(x, gamma, beta):
         raise ValueError("groupnorm_cuda: torch.func transforms (grad, vmap, ...) are not "
                          "supported; group_norm hands them to torch")
     if kernel == "auto" and team == 0:
-        return _cuda_forward(x, gamma, beta, groups, float(eps))
+        return _cuda_forward(x, gamma, beta, groups, eps)
     if torch.compiler.is_compiling() or _needs_grad(x, gamma, beta):
         raise ValueError("groupnorm_cuda: kernel/team overrides are for forward-only eager "
                          "tests: they record no gradients and torch.compile cannot trace them")
-    return load().forward(x, gamma, beta, groups, float(eps), kernel, team)[0]
+    return load().forward(x, gamma, beta, groups, eps, kernel, team)[0]
 
 
 def _cuda_forward(x, gamma, beta, groups, eps):
@@ -272,7 +302,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     """
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"group_norm: input must be a torch.Tensor, got {type(input).__name__}")
-    _check_scalars(num_groups, eps)
+    num_groups, eps = _check_scalars("group_norm", num_groups, eps)
     if input.is_cuda and torch.is_autocast_enabled("cuda"):
         # torch's float32 autocast policy: half-precision tensors become
         # float32, float64 ones stay as they are
@@ -283,7 +313,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
         raise ValueError("group_norm: expected more than 1 value per channel, got input of "
                          f"size {list(input.shape)}")
     if _takes_cuda_path(input, weight, bias):
-        return _cuda_forward(input, weight, bias, num_groups, float(eps))
+        return _cuda_forward(input, weight, bias, num_groups, eps)
     if not (input.is_floating_point() and input.dtype in _FLOAT_DTYPES):
         raise TypeError(f"group_norm: input dtype must be floating point, got {input.dtype}")
     if input.dim() < 2:
@@ -291,6 +321,10 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     if num_groups <= 0 or input.shape[1] % num_groups:
         raise ValueError(f"group_norm: num_channels ({input.shape[1]}) must be divisible by "
                          f"a positive num_groups ({num_groups})")
+    for name, t in (("weight", weight), ("bias", bias)):  # torch's own error is a RuntimeError
+        if t is not None and tuple(t.shape) != (input.shape[1],):
+            raise ValueError(f"group_norm: {name} must have shape [{input.shape[1]}] (one value "
+                             f"per channel), got {list(t.shape)}")
     return F.group_norm(input, num_groups, weight, bias, eps)
 
 
@@ -394,6 +428,12 @@ _register_ops()
 class GroupNorm(nn.GroupNorm):
     """Drop-in nn.GroupNorm: same constructor, parameters, init, repr and
     state_dict; forward runs group_norm() above."""
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None):
+        # numpy scalars become int and float here: torch.compile traces
+        # plain Python numbers
+        num_groups, eps = _check_scalars("GroupNorm", num_groups, eps)
+        super().__init__(num_groups, num_channels, eps, affine, device, dtype)
 
     def forward(self, input):
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
@@ -703,15 +743,20 @@ def main(argv=None):
                    help="write a KernelBench solution instead; problems: " + ", ".join(KERNELBENCH_PROBLEMS))
     args = parser.parse_args(argv)
     if args.command == "bundle":
-        bundle(args.out, args.kernelbench)
+        try:
+            bundle(args.out, args.kernelbench)
+        except OSError as error:
+            parser.error(f"cannot write {args.out}: {error.strerror or error}")
         print(f"wrote {args.out}")
         return 0
     return self_check()
 
 
 # Build (or load the cached build) on import when a GPU is present, so the
-# first call does not pay for it; GROUPNORM_INLINE_LAZY=1 defers it to first use.
-if torch.cuda.is_available() and not os.environ.get("GROUPNORM_INLINE_LAZY"):
+# first call does not pay for it; GROUPNORM_INLINE_LAZY=1 defers it to first
+# use. Run as a script, the command decides (bundle needs no build).
+if (__name__ != "__main__" and torch.cuda.is_available()
+        and os.environ.get("GROUPNORM_INLINE_LAZY", "0") in ("", "0")):
     load()
 
 if __name__ == "__main__" and "__file__" in globals():

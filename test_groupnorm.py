@@ -9,6 +9,7 @@ the output will occupy before every call.
 import importlib.util
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -168,12 +169,40 @@ def test_cpu_one_value_per_group_channel_block_matches_torch():
             torch.testing.assert_close(gn.group_norm(x, groups), expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("bad", ["shape", "dtype"])
-def test_cpu_bad_affine_raises(bad):
+@pytest.mark.parametrize("name", ["weight", "bias"])
+def test_cpu_affine_of_wrong_shape_raises_value_error(name):
     x = torch.randn(2, 6, 4)
-    w = torch.randn(5) if bad == "shape" else torch.randn(6, dtype=torch.float64)
-    with pytest.raises((ValueError, RuntimeError, TypeError)):
-        gn.group_norm(x, 2, w, None)
+    bad = {name: torch.randn(5)}
+    with pytest.raises(ValueError, match=rf"{name} must have shape \[6\].*got \[5\]"):
+        gn.group_norm(x, 2, **bad)
+
+
+def test_cpu_affine_of_another_dtype_follows_torch():
+    # another dtype goes to torch and its mixed-precision rules, errors included
+    x = torch.randn(2, 6, 4)
+    w = torch.randn(6, dtype=torch.float64)
+    try:
+        expected = F.group_norm(x, 2, w)
+    except RuntimeError as error:
+        with pytest.raises(RuntimeError, match=re.escape(str(error).splitlines()[0])):
+            gn.group_norm(x, 2, w)
+    else:
+        torch.testing.assert_close(gn.group_norm(x, 2, w), expected, rtol=0, atol=0)
+
+
+def test_numpy_scalars_are_taken_like_nn_groupnorm():
+    np = pytest.importorskip("numpy")
+    x = torch.randn(3, 6, 5)
+    expected = nn.GroupNorm(2, 6, eps=1e-3)(x)
+    torch.testing.assert_close(gn.GroupNorm(np.int64(2), 6, eps=np.float32(1e-3))(x), expected)
+    torch.testing.assert_close(gn.group_norm(x, np.int32(2), eps=np.float64(1e-3)), expected)
+    layer = gn.GroupNorm(np.int64(2), 6, eps=np.float32(1e-3))
+    assert type(layer.num_groups) is int and type(layer.eps) is float
+    torch.testing.assert_close(torch.compile(layer, fullgraph=True)(x), expected)
+    with pytest.raises(TypeError, match="group_norm: num_groups must be an int"):
+        gn.group_norm(x, True)
+    with pytest.raises(TypeError, match="group_norm: eps must be a float"):
+        gn.group_norm(x, 2, eps="1e-5")
 
 
 def test_groupnorm_cuda_rejects_cpu_tensor():
@@ -323,6 +352,25 @@ def test_cli_bundle_and_help(tmp_path):
                               check=True, capture_output=True, text=True,
                               env={**os.environ, "GROUPNORM_INLINE_LAZY": "1"}).stdout
     assert "--kernelbench" in helptext and "level1-35" in helptext
+    missing = tmp_path / "no" / "such" / "dir" / "x.py"
+    result = subprocess.run([sys.executable, os.path.join(HERE, "groupnorm_inline.py"), "bundle",
+                             str(missing)], capture_output=True, text=True)
+    assert result.returncode == 2 and "cannot write" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cached_build_loads_silently_without_the_toolchain():
+    # a build already in the cache is imported as it is: no compiler, no message
+    from torch.utils import cpp_extension
+    name = gn.extension_name()
+    built = os.path.join(cpp_extension._get_build_directory(name, verbose=False), name + ".so")
+    if not os.path.exists(built):
+        pytest.skip("the extension is not built in this cache yet")
+    env = {**os.environ, "CUDA_HOME": "/nonexistent", "GROUPNORM_INLINE_LAZY": "1"}
+    result = subprocess.run([sys.executable, "-c", "import groupnorm_inline as gn; gn.load(); "
+                             "print('loaded')"], cwd=HERE, env=env, capture_output=True, text=True)
+    assert result.returncode == 0 and "loaded" in result.stdout, result.stderr
+    assert "groupnorm_inline" not in result.stderr, result.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
