@@ -25,6 +25,8 @@ def plan_field(text, name):
 
 
 def main():
+    if not torch.cuda.is_available():
+        sys.exit("sweep_lag.py: needs a CUDA device, and none is visible")
     copy_bw = bench.copy_bandwidth()
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"{torch.cuda.get_device_name()}: copy {copy_bw / 1e9:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB")
