@@ -873,22 +873,30 @@ def test_gpu_opcheck(layout):
 
 
 class _Block(nn.Module):
-    """conv -> GroupNorm by this module's kernels (forward and backward) -> SiLU."""
+    """conv -> GroupNorm by this module's kernels (forward and backward) -> SiLU,
+    through groupnorm_cuda or through the GroupNorm layer itself."""
 
-    def __init__(self):
+    def __init__(self, through_layer=False):
         super().__init__()
         self.conv = nn.Conv2d(16, 32, 3, padding=1)
         self.norm = gn.GroupNorm(8, 32)
+        self.through_layer = through_layer
 
     def forward(self, x):
-        y = gn.groupnorm_cuda(self.conv(x), self.norm.weight, self.norm.bias, 8)
+        h = self.conv(x)
+        y = self.norm(h) if self.through_layer else gn.groupnorm_cuda(h, self.norm.weight,
+                                                                      self.norm.bias, 8)
         return torch.nn.functional.silu(y)
 
 
+THROUGH = pytest.mark.parametrize("through_layer", [False, True], ids=["groupnorm_cuda", "GroupNorm"])
+
+
 @cuda
-def test_gpu_torch_compile_fullgraph_forward_and_backward():
+@THROUGH
+def test_gpu_torch_compile_fullgraph_forward_and_backward(through_layer):
     torch.manual_seed(0)
-    model = _Block().cuda()
+    model = _Block(through_layer).cuda()
     x = torch.randn(2, 16, 12, 12, device="cuda")
     eager_out = model(x)
     eager_out.square().sum().backward()
@@ -903,8 +911,9 @@ def test_gpu_torch_compile_fullgraph_forward_and_backward():
 
 
 @cuda
-def test_gpu_torch_export():
-    model = _Block().cuda().eval()
+@THROUGH
+def test_gpu_torch_export(through_layer):
+    model = _Block(through_layer).cuda().eval()
     x = torch.randn(2, 16, 12, 12, device="cuda")
     exported = torch.export.export(model, (x,))
     assert "groupnorm_inline" in str(exported.graph)
