@@ -36,7 +36,7 @@ def main():
         floor_ms = 2 * x.numel() * x.element_size() / copy_bw * 1e3
         text = gn.plan(x, groups, kernel="stream")
         pieces, resident = plan_field(text, "pieces"), plan_field(text, "grid")
-        piece_bytes = plan_field(text, "piece") * 16
+        piece_bytes = plan_field(text, "piece") * plan_field(text, "vec") * x.element_size()
         print(f"{shape} G={groups} {dtype}: {text}")
         lags = {"default": plan_field(text, "lag"), "P+R": pieces + resident,
                 "P+2R": pieces + 2 * resident, "P+L2/8": pieces + l2 // 8 // piece_bytes,
