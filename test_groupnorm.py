@@ -459,6 +459,16 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
     ((5, 40, 50, 50), 5, torch.bfloat16, "contiguous", "stream", 10**9),  # all statistics first
     ((3, 20, 42, 41), 5, torch.float32, "contiguous", "stream", 0),  # 8-byte vectors: no L2 hint
     ((2, 12, 33, 35), 3, torch.float16, "contiguous", "stream", 0),  # single elements
+    # the stream kernel over channels-last rows: a sample is the unit
+    ((2, 64, 45, 45), 8, torch.float16, "channels_last", "stream", 0),  # ragged last piece
+    ((1, 128, 100, 100), 64, torch.float32, "channels_last", "stream", 0),  # 10 chunks, last ragged
+    ((2, 96, 33, 35), 48, torch.bfloat16, "channels_last", "stream", 0),  # 4 groups per thread, idle threads
+    ((2, 12, 33, 35), 4, torch.float64, "channels_last", "stream", 0),
+    ((16, 64, 32, 32), 8, torch.float32, "channels_last", "stream", 1),  # shortest lag: items wait
+    ((5, 40, 30, 30), 5, torch.bfloat16, "channels_last", "stream", 10**9),  # all statistics first
+    ((2, 21, 17, 19), 3, torch.float32, "channels_last", "stream", 0),  # single elements
+    ((2, 32, 40, 40), 32, torch.float16, "channels_last", "stream", 0),  # one channel per group
+    ((3, 40, 1000), 8, torch.float32, "channels_last", "stream", 0),  # (N, C, L), C innermost
 ]
 
 
@@ -472,7 +482,8 @@ def test_gpu_forced_paths(case):
     assert text.startswith(kernel), text
     if kernel == "stream":  # team is the lag, kept between pieces per unit and all pieces
         pieces = int(text.split(" pieces=")[1].split()[0])
-        total = x.shape[0] * groups * pieces
+        units = x.shape[0] if layout == "channels_last" else x.shape[0] * groups
+        total = units * pieces
         lag = int(text.split(" lag=")[1].split()[0])
         assert lag == min(total, max(pieces, team)) if team else pieces <= lag <= total, text
     elif team:
@@ -496,6 +507,14 @@ def test_gpu_stream_ring_of_partials_wraps():
     for _ in range(3):
         check_against_reference(x, 32, *affine(64, x.dtype, "cuda", "both"), kernel="stream", team=1)
     check_saved_statistics(x, 32, "stream", 1)
+    # channels-last: 2048 samples of one piece each
+    x = make_input((2048, 32, 16, 16), torch.float32, "channels_last", "cuda", shift=3.0)
+    text = gn.plan(x, 8, kernel="stream", team=1)
+    assert text.startswith("stream channels_last") and " pieces=1 " in text, text
+    assert int(text.split(" slots=")[1].split()[0]) < 2048, text
+    for _ in range(3):
+        check_against_reference(x, 8, *affine(32, x.dtype, "cuda", "both"), kernel="stream", team=1)
+    check_saved_statistics(x, 8, "stream", 1)
 
 
 def check_saved_statistics(x, groups, kernel, team):
@@ -536,6 +555,26 @@ def test_gpu_plan_chooses_stream_above_l2_size():
 
 
 @cuda
+def test_gpu_plan_chooses_row_stream_for_large_channels_last():
+    # channels-last inputs at least as large as L2 stream over rows (a sample
+    # of 4 MiB here); smaller ones, a single sample, and many groups a piece
+    # keep the team kernel
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    x = make_input((16, 512, 64, 64), torch.bfloat16, "channels_last", "cuda", shift=1000.0)
+    assert x.numel() * 2 >= l2
+    text = gn.plan(x, 32)
+    assert text.startswith("stream channels_last"), text
+    check_against_reference(x, 32, *affine(512, x.dtype, "cuda", "both"))
+    check_saved_statistics(x, 32, "auto", 0)
+    assert gn.plan(x[:2], 32).startswith("channels_last"), gn.plan(x[:2], 32)
+    assert gn.plan(x, 512).startswith("channels_last"), gn.plan(x, 512)
+    one_sample = torch.empty(1, 512, 256, 256, device="cuda", dtype=torch.bfloat16)
+    one_sample = one_sample.contiguous(memory_format=torch.channels_last)
+    assert one_sample.numel() * 2 >= l2
+    assert gn.plan(one_sample, 32).startswith("channels_last"), gn.plan(one_sample, 32)
+
+
+@cuda
 def test_gpu_plan_chooses_multi_cta_teams_for_large_groups():
     x = torch.randn(2, 64, 256, 256, device="cuda")
     text = gn.plan(x, 2)
@@ -560,9 +599,10 @@ def test_gpu_sample_larger_than_on_chip_memory():
     # 1 x 64 x 512 x 512 bfloat16 channels-last: one 32 MiB unit, more than the
     # shared memory of every CTA together, so part of each slice is re-read.
     x = make_input((1, 64, 512, 512), torch.bfloat16, "channels_last", "cuda")
-    text = gn.plan(x, 32)
+    text = gn.plan(x, 32, kernel="channels_last")
     assert text.startswith("channels_last") and kept_fraction(text) < 1, text
-    check_against_reference(x, 32, *affine(64, torch.bfloat16, "cuda", "both"))
+    check_against_reference(x, 32, *affine(64, torch.bfloat16, "cuda", "both"),
+                            kernel="channels_last")
 
 
 @cuda

@@ -25,6 +25,7 @@
 #include "forward_contiguous.cu"
 #include "forward_reference.cu"
 #include "forward_stream.cu"
+#include "forward_stream_channels_last.cu"
 
 namespace groupnorm {
 
@@ -121,7 +122,7 @@ int blocks_per_sm(const void* kernel, int device, int threads, size_t smem) {
 // ---------------------------------------------------------------------------
 // The plan: which kernel runs for this shape, and why.
 // ---------------------------------------------------------------------------
-enum class Kernel { Reference, Contiguous, ChannelsLast, Stream };
+enum class Kernel { Reference, Contiguous, ChannelsLast, Stream, StreamChannelsLast };
 
 struct Request {
   std::string kernel = "auto";  // "auto", "reference", "contiguous", "stream", "channels_last"
@@ -148,6 +149,7 @@ struct Plan {
   int64_t rounds = 1;     // units each team handles in turn
   int64_t lag = 0;        // stream: pieces the statistics run ahead
   int64_t slots = 0;      // stream: units whose piece statistics are kept at once
+  int64_t chunk = 0;      // stream, channels-last: pieces per first-level merge
   int64_t grid = 0;
   size_t smem = 0;
   std::string why;
@@ -189,6 +191,10 @@ const void* stream_kernel() {
 template <typename scalar_t, int V>
 const void* channels_last_kernel() {
   return reinterpret_cast<const void*>(&groupnorm_forward_channels_last_kernel<scalar_t, V>);
+}
+template <typename scalar_t, int V>
+const void* stream_channels_last_kernel() {
+  return reinterpret_cast<const void*>(&groupnorm_stream_channels_last_kernel<scalar_t, V>);
 }
 
 // Calls f(std::integral_constant<int, v>) for the vector widths a kernel is
@@ -309,6 +315,8 @@ const char* kernel_name(Kernel k) {
       return "stream";
     case Kernel::ChannelsLast:
       return "channels_last";
+    case Kernel::StreamChannelsLast:
+      return "stream";
     default:
       return "reference";
   }
@@ -319,27 +327,23 @@ const char* kernel_name(Kernel k) {
 // only with 8 pieces a group or more (benchmarks/README.md).
 constexpr int64_t kStreamMinPieces = 8;
 
-// One launch for contiguous units of `items` vectors: statistics `lag`
-// pieces ahead of the normalisation (forward_stream.cu). The lag covers one
-// unit, so that every statistics item of a unit comes before its normalise
-// items, plus the larger of one piece per resident CTA (the items in flight)
-// and a quarter of L2 (measured best on an H200 between 1/8 and 1/2 of it:
-// benchmarks/README.md); L2 still holds a piece when it is read again.
-void plan_stream(Plan& p, const void* kernel, int64_t piece_vecs, size_t vec_bytes, int device,
-                 int64_t items, const Request& req) {
+// One launch for units of `pieces` pieces of `piece_bytes` each: statistics
+// `lag` pieces ahead of the normalisation (forward_stream.cu). The lag covers
+// one unit, so that every statistics item of a unit comes before its
+// normalise items, plus the larger of one piece per resident CTA (the items
+// in flight) and a quarter of L2 (measured best on an H200 between 1/8 and
+// 1/2 of it: benchmarks/README.md); L2 still holds a piece when it is read
+// again. The caller sets the kernel, threads, slice and shared memory.
+void plan_stream(Plan& p, const void* kernel, int64_t pieces, int64_t piece_bytes, int device,
+                 const Request& req) {
   const DeviceInfo& dev = device_info(device);
-  const int64_t pieces = (items + piece_vecs - 1) / piece_vecs;
   const int64_t total = p.units * pieces;
-  p.kernel = Kernel::Stream;
-  p.threads = kStreamThreads;
-  p.slice = piece_vecs;
   p.team = int(pieces);
   p.kept = 0;
-  p.smem = 0;
-  const int64_t resident = int64_t(blocks_per_sm(kernel, device, kStreamThreads, 0)) * dev.sms;
+  const int64_t resident = int64_t(blocks_per_sm(kernel, device, p.threads, p.smem)) * dev.sms;
   TORCH_CHECK(resident > 0, "groupnorm: the stream kernel does not fit on this device");
   p.grid = std::min({resident, 2 * total, kMaxGrid});
-  const int64_t l2_pieces = int64_t(dev.l2_bytes / 4 / (piece_vecs * vec_bytes));
+  const int64_t l2_pieces = int64_t(dev.l2_bytes) / 4 / piece_bytes;
   // lag >= pieces keeps the ticket order deadlock-free (forward_stream.cu).
   const int64_t lag = req.team > 0 ? req.team : pieces + std::max(resident, l2_pieces);
   p.lag = std::min(total, std::max(pieces, lag));
@@ -347,14 +351,68 @@ void plan_stream(Plan& p, const void* kernel, int64_t piece_vecs, size_t vec_byt
   p.slots = std::min(p.units, (p.lag + 2 * p.grid + pieces - 1) / pieces + 1);
 }
 
+// Partials (mean, M2 per group) of a channels-last stream piece may take at
+// most this share of the piece's bytes: with more groups, the ring and the
+// merges outweigh the gain, and the team kernel keeps them.
+constexpr int64_t kMaxPartialShare = 16;
+
+// Channels-last input at least as large as L2, of two samples or more, with
+// samples of kStreamMinPieces pieces or more and few enough groups, takes the
+// stream kernel over rows (forward_stream_channels_last.cu); `kernel="stream"`
+// forces it for any shape whose row fits one block. A single sample stays
+// with the team kernel: its statistics need the whole input before any
+// normalisation, so the stream would read all of it twice, while the team
+// kernel keeps part of it on chip (measured on an H200: benchmarks/README.md).
+// Returns whether p is set.
+template <typename scalar_t>
+bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Request& req) {
+  const bool forced = req.kernel == "stream";
+  if (!s.channels_last || !(forced || (req.kernel == "auto" && req.team == 0))) return false;
+  // V divides C / G: a thread's channels lie in one group.
+  const int v = widest_vector(s.elem, s.x_addr, {s.C, s.C / s.G}, kContiguousVecBytes);
+  const int64_t cols = s.C / v;
+  TORCH_CHECK_VALUE(!forced || cols <= kStreamThreads,
+                    message("groupnorm: the stream kernel for channels-last input needs C / ", v,
+                            " <= ", kStreamThreads, ", got C = ", s.C));
+  if (cols > kStreamThreads) return false;
+  const size_t acc = sizeof(acc_t<scalar_t>);
+  const int rows_per_step = int(kStreamThreads / cols);
+  int64_t rows_per_piece = 0;
+  const void* kernel = nullptr;
+  with_vec<scalar_t, kContiguousVecBytes>(v, [&](auto vv) {
+    rows_per_piece = int64_t(rows_per_step) * stream_items<decltype(vv)::value>();
+    kernel = stream_channels_last_kernel<scalar_t, decltype(vv)::value>();
+  });
+  const int64_t pieces = (s.HxW + rows_per_piece - 1) / rows_per_piece;
+  const int64_t piece_bytes = rows_per_piece * s.C * int64_t(s.elem);
+  const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
+  const bool chosen = forced || (bytes >= size_t(device_info(device).l2_bytes) && s.N >= 2 &&
+                                 pieces >= kStreamMinPieces &&
+                                 2 * s.G * int64_t(acc) * kMaxPartialShare <= piece_bytes);
+  if (!chosen) return false;
+  p.kernel = Kernel::StreamChannelsLast;
+  p.vec = v;
+  p.units = s.N;
+  p.rows_per_step = rows_per_step;
+  p.threads = int((cols * rows_per_step + kWarp - 1) / kWarp * kWarp);
+  p.slice = rows_per_piece;
+  p.smem = stream_rows_shared_bytes(rows_per_step, int(cols), s.G, acc);
+  p.chunk = std::max<int64_t>(1, kChunkPartials / s.G);
+  plan_stream(p, kernel, pieces, piece_bytes, device, req);
+  p.why = forced ? (req.team > 0 ? "stream requested, lag forced" : "stream requested")
+                 : "input at least L2's size";
+  return true;
+}
+
 // Which kernel runs for this shape, and why. Contiguous input takes the
 // stream kernel when it is at least as large as L2 and its groups have
 // kStreamMinPieces pieces or more (its second read of x then comes
 // from L2 while the team kernel waits at team barriers; measured on an H200 in
-// benchmarks/README.md), the contiguous team kernel otherwise; channels-last
-// input the channels-last kernel
-// unless C is too wide for one thread per column (then the reference kernel,
-// which reads any layout). The fast kernels use 16-byte accesses where the
+// benchmarks/README.md), the contiguous team kernel otherwise. Channels-last
+// input takes the stream kernel over rows on the same terms
+// (plan_stream_channels_last), the channels-last team kernel otherwise, unless
+// C is too wide for one thread per column (then the reference kernel, which
+// reads any layout). The fast kernels use 16-byte accesses where the
 // address, C/G and HxW allow, narrower ones otherwise.
 template <typename scalar_t>
 Plan choose_plan(const Shape& s, int device, const Request& req) {
@@ -367,8 +425,7 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
                     message("groupnorm: unknown kernel '", req.kernel,
                             "' (expected auto, reference, contiguous, stream or channels_last)"));
   TORCH_CHECK_VALUE(
-      s.channels_last ? req.kernel != "contiguous" && req.kernel != "stream"
-                      : req.kernel != "channels_last",
+      s.channels_last ? req.kernel != "contiguous" : req.kernel != "channels_last",
       message("groupnorm: kernel '", req.kernel, "' does not match the input's layout (",
               s.channels_last ? "channels_last" : "contiguous", ")"));
   if (!want_ref && !s.channels_last) {
@@ -394,7 +451,12 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
                              bytes >= size_t(device_info(device).l2_bytes) &&
                              items >= kStreamMinPieces * piece_vecs;
     if (req.kernel == "stream" || auto_stream) {
-      plan_stream(p, stream_k, piece_vecs, p.vec * s.elem, device, items, req);
+      p.kernel = Kernel::Stream;
+      p.threads = kStreamThreads;
+      p.slice = piece_vecs;
+      p.smem = 0;
+      plan_stream(p, stream_k, (items + piece_vecs - 1) / piece_vecs,
+                  piece_vecs * int64_t(p.vec * s.elem), device, req);
       p.why = auto_stream    ? "input at least L2's size"
               : req.team > 0 ? "stream requested, lag forced"
                              : "stream requested";
@@ -403,6 +465,7 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
     plan_teams(p, k, device, items, p.vec * s.elem, 1, p.threads, acc, req);
     return p;
   }
+  if (!want_ref && plan_stream_channels_last<scalar_t>(p, s, device, req)) return p;
   if (!want_ref) {
     int v = widest_vector(s.elem, s.x_addr, {s.C}, kChannelsLastVecBytes);
     if (s.C / v > kChannelsLastMaxThreads) {
@@ -435,11 +498,13 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
 }
 
 std::string describe_plan(const Plan& p) {
-  if (p.kernel == Kernel::Stream) {
-    return "stream vec=" + std::to_string(p.vec) + " pieces=" + std::to_string(p.team) +
-           " piece=" + std::to_string(p.slice) + " lag=" + std::to_string(p.lag) +
-           " slots=" + std::to_string(p.slots) + " grid=" + std::to_string(p.grid) + " (" + p.why +
-           ")";
+  if (p.kernel == Kernel::Stream || p.kernel == Kernel::StreamChannelsLast) {
+    const bool rows = p.kernel == Kernel::StreamChannelsLast;
+    return std::string(rows ? "stream channels_last" : "stream") + " vec=" + std::to_string(p.vec) +
+           " pieces=" + std::to_string(p.team) + (rows ? " rows=" : " piece=") +
+           std::to_string(p.slice) + (rows ? " chunk=" + std::to_string(p.chunk) : "") +
+           " lag=" + std::to_string(p.lag) + " slots=" + std::to_string(p.slots) +
+           " grid=" + std::to_string(p.grid) + " (" + p.why + ")";
   }
   return std::string(kernel_name(p.kernel)) + " vec=" + std::to_string(p.vec) +
          " team=" + std::to_string(p.team) + " kept=" + std::to_string(p.kept) + "/" +
@@ -618,6 +683,33 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
             <<<unsigned(p.grid), kStreamThreads, 0, stream>>>(
                 x, gamma, beta, out, mean_p, rstd_p, partial, ws, L, s.HxW, s.G, D, p.team, p.slots,
                 order, hxw_div, fast_div, A(eps));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      break;
+    }
+    case Kernel::StreamChannelsLast: {
+      const int64_t pieces = p.team;
+      const int64_t chunks = (pieces + p.chunk - 1) / p.chunk;
+      const int64_t counters = (int64_t(sizeof(unsigned long long)) +
+                                (p.units * chunks + 2 * p.units) * int64_t(sizeof(int)) + 15) /
+                               16 * 16;
+      const int64_t partials = p.slots * (pieces + chunks) * s.G * 2;
+      storage = at::empty({counters + partials * int64_t(sizeof(A))}, y.options().dtype(at::kByte));
+      auto* base = storage.data_ptr<uint8_t>();
+      C10_CUDA_CHECK(cudaMemsetAsync(base, 0, counters, stream));
+      StreamRowsWorkspace ws;
+      ws.next = reinterpret_cast<unsigned long long*>(base);
+      ws.piece_arrived = reinterpret_cast<int*>(base + sizeof(unsigned long long));
+      ws.chunk_arrived = ws.piece_arrived + p.units * chunks;
+      ws.ready = ws.chunk_arrived + p.units;
+      A* piece_partial = reinterpret_cast<A*>(base + counters);
+      A* chunk_partial = piece_partial + p.slots * pieces * s.G * 2;
+      const StreamOrder order{p.units * pieces, p.lag};
+      with_vec<scalar_t, kContiguousVecBytes>(p.vec, [&](auto v) {
+        groupnorm_stream_channels_last_kernel<scalar_t, decltype(v)::value>
+            <<<unsigned(p.grid), unsigned(p.threads), p.smem, stream>>>(
+                x, gamma, beta, out, mean_p, rstd_p, piece_partial, chunk_partial, ws, s.HxW,
+                int(s.C), s.G, D, p.rows_per_step, pieces, p.chunk, p.slots, order, A(eps));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       break;

@@ -36,6 +36,8 @@
 // that wait is nearly always over before it starts). The ring holds about
 // lag + 2 * grid + 2 * pieces pairs: O(N * G) plus a few pairs per 8192
 // elements of one group (KernelBench L1-35: 7 slots of 256 pairs).
+#pragma once
+
 #include "common.cuh"
 
 namespace groupnorm {

@@ -1,0 +1,261 @@
+// GroupNorm forward for large channels-last input ((N, HxW, C) in memory):
+// the ticket-ordered stream of forward_stream.cu with a sample as the unit.
+//
+// A sample's rows each hold all G groups, so a sample is cut into pieces of
+// whole rows. A statistics item computes the piece's (mean, M2) for every
+// group; a normalise item, `lag` pieces later in ticket order, loads the
+// piece again and writes y. Ticket order, lag, ring of slots and the
+// deadlock argument are those of forward_stream.cu, with G partials per
+// piece instead of one. L2 still holds a piece at its second read when a
+// sample is smaller than about a quarter of L2 (lag >= pieces per sample);
+// larger samples read much of x twice, as every other kernel must once a
+// sample no longer fits on chip. Measured on an H200 (benchmarks/README.md,
+// run K): 27-28 % of the floor on the SD VAE and video shapes against 21-26 %
+// for the team kernel, and 44-49 % for the contiguous stream on the same bytes.
+//
+// Merging: one CTA merging every partial of a 64 MiB sample (4096 pieces x
+// 32 groups) would hold up each normalise item of that sample. The merge is
+// two-level instead: the CTA that finishes the last piece of a chunk
+// (chunk_pieces consecutive pieces, about kChunkPartials partials) merges
+// the chunk, and the CTA that merges a sample's last chunk merges the
+// chunks, writes mean and rstd, and raises the sample's ready flag. Both
+// merges go in piece order, so the result does not depend on timing.
+// Extra memory: (mean, M2) per group for every piece and chunk of the
+// `slots` samples in the ring (the host keeps a piece's partials under 1/16
+// of its bytes), and two counters per sample plus one per chunk.
+//
+// Threads: cols = C / V threads cover a row, V channels each, rows_per_step
+// rows side by side; each thread holds stream_items<V>() rows of its column
+// in registers. V divides C / G, so a thread's channels lie in one group and
+// it keeps one sum, like the contiguous kernel: per-channel sums (V of each)
+// spilled and made the kernel bound by instructions, not memory.
+#pragma once
+
+#include "common.cuh"
+#include "forward_stream.cu"
+
+namespace groupnorm {
+
+// Partials a chunk merge reads: few enough that one CTA merges them in a
+// couple of load round trips (eight threads a group for 32 groups).
+constexpr int kChunkPartials = 1024;
+// CTAs per SM the registers are sized for: 80 registers a thread. At four
+// (64 registers) 8-element vectors spill, and 4×512×128² bf16 ran 14 % slower
+// on an H200 (benchmarks/README.md).
+constexpr int kStreamRowsBlocksPerSm = 3;
+
+struct StreamRowsWorkspace {
+  unsigned long long* next;  // [1]              next ticket to hand out
+  int* piece_arrived;        // [units, chunks]  statistics items finished, per chunk
+  int* chunk_arrived;        // [units]          chunks merged
+  int* ready;                // [units]          1 once the sample's mean and rstd are written
+};
+
+// Shared memory beyond the static arrays: the per-thread table
+// [rows_per_step, cols] and the per-group sums and M2 of the current piece.
+__host__ __device__ inline size_t stream_rows_shared_bytes(int rows_per_step, int cols, int G,
+                                                           size_t acc_size) {
+  return (size_t(rows_per_step) * cols + 2 * size_t(G)) * acc_size;
+}
+
+// Merges a finished chunk's piece partials into the chunk's partial and, if
+// it is the sample's last chunk, the chunks into the sample's mean and rstd,
+// then raises the sample's ready flag. Called by a whole CTA.
+template <typename A>
+__device__ __forceinline__ void merge_chunk(const A* piece_partial, A* chunk_partial, A* mean,
+                                            A* rstd, const StreamRowsWorkspace& ws, A* scratch,
+                                            bool& completes_unit, int64_t unit, int64_t chunk,
+                                            int64_t HxW, int G, int D, int64_t rows_per_piece,
+                                            int64_t pieces, int64_t chunk_pieces, int64_t slots,
+                                            A eps) {
+  const int64_t chunks = (pieces + chunk_pieces - 1) / chunk_pieces;
+  const int64_t chunk_first = chunk * chunk_pieces;
+  const int in_chunk = int(min(chunk_pieces, pieces - chunk_first));
+  const A* unit_pieces = piece_partial + (unit % slots) * pieces * G * 2;
+  A* unit_chunks = chunk_partial + (unit % slots) * chunks * G * 2;
+  const auto piece_count = [=](int r) {
+    return A(min(rows_per_piece, HxW - (chunk_first + r) * rows_per_piece) * D);
+  };
+  merge_partials(unit_pieces + chunk_first * G * 2, in_chunk, G, 0, G, piece_count, scratch,
+                 [=](int g, const Stats<A>& st) {
+                   unit_chunks[(chunk * G + g) * 2 + 0] = st.mean;
+                   unit_chunks[(chunk * G + g) * 2 + 1] = st.m2;
+                 });
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    completes_unit = atomicAdd(&ws.chunk_arrived[unit], 1) == int(chunks) - 1;
+    if (completes_unit) __threadfence();
+  }
+  __syncthreads();
+  if (!completes_unit) return;
+  const SliceCounts<A> chunk_count{rows_per_piece * chunk_pieces, HxW, D};
+  const A count = A(HxW * D);
+  merge_partials(unit_chunks, int(chunks), G, 0, G, chunk_count, scratch,
+                 [=](int g, const Stats<A>& st) {
+                   mean[unit * G + g] = st.mean;
+                   rstd[unit * G + g] = rsqrt(st.m2 / count + eps);
+                 });
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    store_release(&ws.ready[unit], 1);
+  }
+}
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
+    groupnorm_stream_channels_last_kernel(
+        const scalar_t* __restrict__ x,               // [N, HxW, C]
+        const scalar_t* __restrict__ gamma,           // [C] or nullptr
+        const scalar_t* __restrict__ beta,            // [C] or nullptr
+        scalar_t* __restrict__ y,                     // [N, HxW, C]
+        acc_t<scalar_t>* __restrict__ mean,           // [N, G]
+        acc_t<scalar_t>* __restrict__ rstd,           // [N, G]
+        acc_t<scalar_t>* __restrict__ piece_partial,  // [slots, pieces, G, 2]
+        acc_t<scalar_t>* __restrict__ chunk_partial,  // [slots, chunks, G, 2]
+        StreamRowsWorkspace ws, int64_t HxW, int C, int G, int D, int rows_per_step, int64_t pieces,
+        int64_t chunk_pieces, int64_t slots, StreamOrder order, acc_t<scalar_t> eps) {
+  using A = acc_t<scalar_t>;
+  using VecT = Vec<scalar_t, V>;
+  constexpr int kItems = stream_items<V>();
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int cols = C / V;
+  A* red = reinterpret_cast<A*>(smem);        // [rows_per_step, cols]
+  A* group_sum = red + rows_per_step * cols;  // [G] sum of x - shift over the piece
+  A* group_m2 = group_sum + G;                // [G] M2 about the piece's group mean
+  __shared__ A scratch[3 * kStreamThreads / kWarp];
+  __shared__ long long ticket[2];  // the current and the next item
+  __shared__ bool completes_chunk, completes_unit;
+  const int tid = threadIdx.x;
+  const int col = tid % cols;
+  const int row_lane = tid / cols;  // >= rows_per_step: reductions only
+  const bool sweeps = row_lane < rows_per_step;
+  const int c0 = col * V;
+  const int group = c0 / D;  // of all V channels (host: D % V == 0)
+  const int64_t rows_per_piece = int64_t(rows_per_step) * kItems;
+  const int64_t chunks = (pieces + chunk_pieces - 1) / chunk_pieces;
+  const int64_t tickets = 2 * order.total;
+
+  // The ticket loop of groupnorm_stream_kernel: the next ticket is fetched
+  // while this item runs.
+  if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
+  __syncthreads();
+  for (int cur = 0;; cur ^= 1) {
+    const int64_t t = ticket[cur];
+    if (t >= tickets) break;
+    if (tid == 0) ticket[cur ^ 1] = (long long)atomicAdd(ws.next, 1ull);
+    int64_t b;
+    const bool stats = order.item(t, b);
+    const int64_t unit = b / pieces;
+    const int64_t piece = b % pieces;
+    const int64_t row0 = piece * rows_per_piece;
+    const int rows = int(min(rows_per_piece, HxW - row0));  // a piece has under 2^31 elements
+    const scalar_t* first = x + (unit * HxW + row0) * C;    // the piece's first row
+    VecT v[kItems];
+    if (sweeps) {
+#pragma unroll
+      for (int u = 0; u < kItems; ++u) {
+        const int r = row_lane + u * rows_per_step;
+        if (r < rows) {
+          const VecT* p = reinterpret_cast<const VecT*>(first + r * C + c0);
+          v[u] = stream_l2_hints<V>() ? load_with_l2_priority(p, stats) : *p;
+        }
+      }
+    }
+    int slot_free = 1;
+    if (stats && tid == 0 && unit >= slots) slot_free = load_acquire(&ws.ready[unit - slots]);
+
+    if (stats) {
+      // Shift: the group's first element in the piece's first row, which
+      // keeps the float sum small for inputs far from zero.
+      const A shift = static_cast<A>(first[group * D]);
+      const A n_group = A(rows * D);
+      if (sweeps) {
+        A sum = 0;
+#pragma unroll
+        for (int u = 0; u < kItems; ++u) {
+          if (row_lane + u * rows_per_step < rows) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) sum += static_cast<A>(v[u].val[e]) - shift;
+          }
+        }
+        red[row_lane * cols + col] = sum;
+      }
+      __syncthreads();
+      reduce_groups(red, rows_per_step, cols, G, D / V, group_sum);
+      if (sweeps) {
+        const A m = shift + group_sum[group] / n_group;
+        A m2 = 0;
+#pragma unroll
+        for (int u = 0; u < kItems; ++u) {
+          if (row_lane + u * rows_per_step < rows) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+              const A d = static_cast<A>(v[u].val[e]) - m;
+              m2 += d * d;
+            }
+          }
+        }
+        red[row_lane * cols + col] = m2;
+      }
+      if (tid == 0) {
+        while (slot_free == 0) {
+          __nanosleep(64);
+          slot_free = load_acquire(&ws.ready[unit - slots]);
+        }
+      }
+      __syncthreads();  // the table is written and the ring slot is free
+      reduce_groups(red, rows_per_step, cols, G, D / V, group_m2);
+      A* unit_pieces = piece_partial + (unit % slots) * pieces * G * 2;
+      for (int g = tid; g < G; g += blockDim.x) {
+        unit_pieces[(piece * G + g) * 2 + 0] =
+            static_cast<A>(first[g * D]) + group_sum[g] / n_group;
+        unit_pieces[(piece * G + g) * 2 + 1] = group_m2[g];
+      }
+      const int64_t chunk = piece / chunk_pieces;
+      const int in_chunk = int(min(chunk_pieces, pieces - chunk * chunk_pieces));
+      __syncthreads();
+      if (tid == 0) {
+        __threadfence();  // cumulative: the partials written before the barrier
+        completes_chunk = atomicAdd(&ws.piece_arrived[unit * chunks + chunk], 1) == in_chunk - 1;
+        if (completes_chunk) __threadfence();  // and every other piece's partial to us
+      }
+      __syncthreads();
+      if (completes_chunk) {
+        merge_chunk(piece_partial, chunk_partial, mean, rstd, ws, scratch, completes_unit, unit,
+                    chunk, HxW, G, D, rows_per_piece, pieces, chunk_pieces, slots, eps);
+      }
+    } else {
+      // The loads above are in flight while thread 0 waits for the sample.
+      if (tid == 0) {
+        while (load_acquire(&ws.ready[unit]) == 0) __nanosleep(64);
+      }
+      __syncthreads();
+      if (sweeps) {
+        const A mu = __ldcg(&mean[unit * G + group]);
+        const A rs = __ldcg(&rstd[unit * G + group]);
+        ChannelAffine<A> f[V];
+#pragma unroll
+        for (int e = 0; e < V; ++e) f[e] = channel_affine(c0 + e, rs, gamma, beta);
+        scalar_t* ys = y + (unit * HxW + row0) * C + c0;
+#pragma unroll
+        for (int u = 0; u < kItems; ++u) {
+          const int r = row_lane + u * rows_per_step;
+          if (r < rows) {
+            VecT out;
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+              out.val[e] = static_cast<scalar_t>((static_cast<A>(v[u].val[e]) - mu) * f[e].scale +
+                                                 f[e].shift);
+            }
+            store_vec_streaming<scalar_t, V>(ys + r * C, out);
+          }
+        }
+      }
+    }
+    __syncthreads();  // the next ticket is visible; shared values may be reused
+  }
+}
+
+}  // namespace groupnorm
