@@ -157,8 +157,11 @@ struct Plan {
 
 constexpr int64_t kMaxGrid = 1 << 30;
 // A CTA's share of a unit is never cut below this: smaller slices spend more
-// time in the team barrier than in moving bytes.
-constexpr int64_t kMinSliceBytes = 8 * 1024;
+// time in the team barrier than in moving bytes. 12 KiB: on an H200 every
+// small SD UNet shape was fastest with slices of 10 or 20 KiB; 8 KiB made
+// 2x1280x16x16 take 10 KiB slices, 18 % slower than 20 KiB, and 16 KiB made
+// 8x1280x8x8 channels-last take 17 KiB, 11 % slower than 10 (benchmarks/README.md).
+constexpr int64_t kMinSliceBytes = 12 * 1024;
 // Resident CTAs per SM the on-chip budget is sized for: while one waits at its
 // team barrier, the others keep the SM's memory pipe busy.
 constexpr int kTargetBlocksPerSm = 4;
