@@ -461,8 +461,8 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
     ((2, 12, 33, 35), 3, torch.float16, "contiguous", "stream", 0),  # single elements
     # the stream kernel over channels-last rows: a sample is the unit
     ((2, 64, 45, 45), 8, torch.float16, "channels_last", "stream", 0),  # ragged last piece
-    ((1, 128, 100, 100), 64, torch.float32, "channels_last", "stream", 0),  # 10 chunks, last ragged
-    ((2, 96, 33, 35), 48, torch.bfloat16, "channels_last", "stream", 0),  # 4 groups per thread, idle threads
+    ((1, 128, 100, 100), 64, torch.float32, "channels_last", "stream", 0),  # 20 chunks, last ragged
+    ((2, 96, 33, 35), 48, torch.bfloat16, "channels_last", "stream", 0),  # 2-element vectors, idle threads
     ((2, 12, 33, 35), 4, torch.float64, "channels_last", "stream", 0),
     ((16, 64, 32, 32), 8, torch.float32, "channels_last", "stream", 1),  # shortest lag: items wait
     ((5, 40, 30, 30), 5, torch.bfloat16, "channels_last", "stream", 10**9),  # all statistics first
@@ -557,8 +557,9 @@ def test_gpu_plan_chooses_stream_above_l2_size():
 @cuda
 def test_gpu_plan_chooses_row_stream_for_large_channels_last():
     # channels-last inputs at least as large as L2 stream over rows (a sample
-    # of 4 MiB here); smaller ones, a single sample, and many groups a piece
-    # keep the team kernel
+    # of 4 MiB here); smaller ones, a single sample, groups whose partials
+    # would outweigh a piece (G=256: 32 KiB of them a 8 KiB piece) and rows
+    # wider than a block (G=512: 512 single-element columns) keep the team kernel
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     x = make_input((16, 512, 64, 64), torch.bfloat16, "channels_last", "cuda", shift=1000.0)
     assert x.numel() * 2 >= l2
@@ -567,6 +568,7 @@ def test_gpu_plan_chooses_row_stream_for_large_channels_last():
     check_against_reference(x, 32, *affine(512, x.dtype, "cuda", "both"))
     check_saved_statistics(x, 32, "auto", 0)
     assert gn.plan(x[:2], 32).startswith("channels_last"), gn.plan(x[:2], 32)
+    assert gn.plan(x, 256).startswith("channels_last"), gn.plan(x, 256)
     assert gn.plan(x, 512).startswith("channels_last"), gn.plan(x, 512)
     one_sample = torch.empty(1, 512, 256, 256, device="cuda", dtype=torch.bfloat16)
     one_sample = one_sample.contiguous(memory_format=torch.channels_last)
