@@ -35,7 +35,6 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
                                            acc_t<scalar_t> eps) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
-  constexpr int kRowUnroll = 4;  // independent row loads in flight per thread
   extern __shared__ __align__(16) unsigned char smem[];
   // The reduction table holds one entry per (row lane, channel): [rows_per_step][C].
   SharedLayout<A> sh(smem, ((kept * C * sizeof(scalar_t) + 15) / 16) * 16, G, rows_per_step * C);
