@@ -28,6 +28,8 @@
 //   channels-last per sample, `chunks` runs of `chunk` rows (positions) by
 //                 `cblocks` blocks of up to kBackwardThreads vector columns;
 //                 each thread keeps V channels for its whole run.
+#include <type_traits>
+
 #include "common.cuh"
 
 namespace groupnorm {
@@ -36,6 +38,18 @@ constexpr int kBackwardThreads = 256;
 constexpr int kBackwardWarps = kBackwardThreads / kWarp;
 constexpr int kWarpRowVecs = 256;  // contiguous rows up to this many vectors: one warp each
 constexpr int kBackwardUnroll = 4;
+// Resident CTAs per SM the register budgets are sized for: 4 loads of x and
+// of dy per thread in flight from enough CTAs to keep DRAM busy (the bfloat16
+// sums kernel took 99 registers, 2 CTAs per SM, and reached 64 % of DRAM
+// bandwidth on an H100). Contiguous kernels: 64 registers. The channels-last
+// sums kernel keeps V sums and means per thread: 64 registers for float,
+// 80 for the others, which spill at 64. The channels-last dx kernel is left to
+// the compiler (half and bfloat16 spill at 80 registers).
+constexpr int kBackwardBlocksPerSm = 4;
+template <typename scalar_t>
+constexpr int backward_channels_last_blocks_per_sm() {
+  return sizeof(scalar_t) == 4 ? 4 : 3;
+}
 
 // Per (sample, channel): dx = alpha * dy - k1 - (x - mu) * k2, with
 // alpha = rstd * gamma[c], k1 = rstd * sum(g) / M, k2 = rstd^3 * sum(g * (x - mu)) / M.
@@ -58,6 +72,24 @@ struct BackwardTiles {
   int64_t tiles;      // pieces of work (CTAs, if the grid is that large)
 };
 
+// Bytes of a vector held as 32-bit words (or one 16-bit word for a 2-byte
+// vector), and read back as the vector type at its use.
+template <int kBytes>
+struct alignas(kBytes) Words {
+  using Word = std::conditional_t<(kBytes >= 4), uint32_t, uint16_t>;
+  Word w[kBytes / sizeof(Word)];
+};
+template <typename VecT, typename Raw>
+__device__ __forceinline__ VecT as_vec(const Raw& raw) {
+  if constexpr (std::is_same_v<Raw, VecT>) {
+    return raw;
+  } else {
+    VecT v;
+    memcpy(&v, &raw, sizeof(VecT));
+    return v;
+  }
+}
+
 template <typename A>
 __device__ __forceinline__ void store_pair(A* partial, A s_dy, A s_dyx) {
   partial[0] = s_dy;
@@ -75,20 +107,23 @@ template <typename scalar_t, int V, typename F>
 __device__ __forceinline__ void for_each_pair(const scalar_t* dy, const scalar_t* x, int64_t first,
                                               int64_t end, int step, int64_t stride, F f) {
   using VecT = Vec<scalar_t, V>;
+  // 16-bit elements are kept in flight as 32-bit words: unpacked, each would
+  // take a whole register (99 instead of 73 for the bfloat16 sums kernel).
+  using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
   for (int64_t i0 = first; i0 < end; i0 += int64_t(kBackwardUnroll) * step) {
-    VecT g[kBackwardUnroll], v[kBackwardUnroll];
+    Raw g[kBackwardUnroll], v[kBackwardUnroll];
 #pragma unroll
     for (int u = 0; u < kBackwardUnroll; ++u) {
       const int64_t i = i0 + int64_t(u) * step;
       if (i < end) {
-        g[u] = load_vec<scalar_t, V>(dy + i * stride);
-        v[u] = load_vec<scalar_t, V>(x + i * stride);
+        g[u] = *reinterpret_cast<const Raw*>(dy + i * stride);
+        v[u] = *reinterpret_cast<const Raw*>(x + i * stride);
       }
     }
 #pragma unroll
     for (int u = 0; u < kBackwardUnroll; ++u) {
       const int64_t i = i0 + int64_t(u) * step;
-      if (i < end) f(i, g[u], v[u]);
+      if (i < end) f(i, as_vec<VecT>(g[u]), as_vec<VecT>(v[u]));
     }
   }
 }
@@ -129,12 +164,13 @@ __device__ __forceinline__ Vec<scalar_t, V> dx_of(const Vec<scalar_t, V>& g,
 }
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_sums_contiguous_kernel(
-    const scalar_t* __restrict__ dy,           // [N * C, HxW]
-    const scalar_t* __restrict__ x,            // [N * C, HxW]
-    const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
-    acc_t<scalar_t>* __restrict__ partial,     // [N*C, chunks, 2]
-    BackwardTiles t, int C, int D) {
+__global__ void __launch_bounds__(kBackwardThreads, kBackwardBlocksPerSm)
+    groupnorm_backward_sums_contiguous_kernel(
+        const scalar_t* __restrict__ dy,           // [N * C, HxW]
+        const scalar_t* __restrict__ x,            // [N * C, HxW]
+        const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+        acc_t<scalar_t>* __restrict__ partial,     // [N*C, chunks, 2]
+        BackwardTiles t, int C, int D) {
   using A = acc_t<scalar_t>;
   __shared__ A scratch[kBackwardWarps];
   const int G = C / D;
@@ -166,12 +202,13 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_sums_cont
 }
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_dx_contiguous_kernel(
-    const scalar_t* __restrict__ dy,                 // [N * C, HxW]
-    const scalar_t* __restrict__ x,                  // [N * C, HxW]
-    const Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N*C]
-    scalar_t* __restrict__ dx,                       // [N * C, HxW]
-    BackwardTiles t) {
+__global__ void __launch_bounds__(kBackwardThreads, kBackwardBlocksPerSm)
+    groupnorm_backward_dx_contiguous_kernel(
+        const scalar_t* __restrict__ dy,                 // [N * C, HxW]
+        const scalar_t* __restrict__ x,                  // [N * C, HxW]
+        const Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N*C]
+        scalar_t* __restrict__ dx,                       // [N * C, HxW]
+        BackwardTiles t) {
   using VecT = Vec<scalar_t, V>;
   for (int64_t i = blockIdx.x; i < t.tiles; i += gridDim.x) {
     const int64_t b = t.tiles - 1 - i;  // reverse: the sums kernel's last tiles are in L2
@@ -227,12 +264,14 @@ struct ChannelsLastTile {
 };
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_sums_channels_last_kernel(
-    const scalar_t* __restrict__ dy,           // [N, HxW, C]
-    const scalar_t* __restrict__ x,            // [N, HxW, C]
-    const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
-    acc_t<scalar_t>* __restrict__ partial,     // [N, chunks, C, 2]
-    BackwardTiles t, int C, int D) {
+__global__ void __launch_bounds__(kBackwardThreads,
+                                  backward_channels_last_blocks_per_sm<scalar_t>())
+    groupnorm_backward_sums_channels_last_kernel(
+        const scalar_t* __restrict__ dy,           // [N, HxW, C]
+        const scalar_t* __restrict__ x,            // [N, HxW, C]
+        const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+        acc_t<scalar_t>* __restrict__ partial,     // [N, chunks, C, 2]
+        BackwardTiles t, int C, int D) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   // [trows][block_cols * V] per-thread sums, then added down each column.
