@@ -38,17 +38,22 @@ constexpr int kBackwardThreads = 256;
 constexpr int kBackwardWarps = kBackwardThreads / kWarp;
 constexpr int kWarpRowVecs = 256;  // contiguous rows up to this many vectors: one warp each
 constexpr int kBackwardUnroll = 4;
-// Resident CTAs per SM the register budgets are sized for: 4 loads of x and
-// of dy per thread in flight from enough CTAs to keep DRAM busy (the bfloat16
-// sums kernel took 99 registers, 2 CTAs per SM, and reached 64 % of DRAM
-// bandwidth on an H100). Contiguous kernels: 64 registers. The channels-last
-// sums kernel keeps V sums and means per thread: 64 registers for float,
-// 80 for the others, which spill at 64. The channels-last dx kernel is left to
-// the compiler (half and bfloat16 spill at 80 registers).
-constexpr int kBackwardBlocksPerSm = 4;
-template <typename scalar_t>
-constexpr int backward_channels_last_blocks_per_sm() {
-  return sizeof(scalar_t) == 4 ? 4 : 3;
+// Register budgets, as resident CTAs per SM, for the kernels that read 16-bit
+// elements 8 to a vector, so that kBackwardUnroll loads of x and of dy per
+// thread are in flight from enough CTAs to keep DRAM busy: the bfloat16 sums
+// kernel took 99 registers, 2 CTAs per SM, and reached 64 % of DRAM bandwidth
+// on an H100. Contiguous sums and dx: 64 registers. Channels-last sums, which
+// keep V sums and means per thread: 80 (they spill at 64). 0 = no budget
+// (the compiler's choice) for every other kernel: a budget made narrower-
+// vector kernels take more registers than they need (float, 4-byte vectors:
+// 32 -> 52), and the channels-last dx kernel spills at 80.
+template <typename scalar_t, int V>
+constexpr int backward_contiguous_blocks_per_sm() {
+  return sizeof(scalar_t) == 2 && V == 8 ? 4 : 0;
+}
+template <typename scalar_t, int V>
+constexpr int backward_channels_last_sums_blocks_per_sm() {
+  return sizeof(scalar_t) == 2 && V == 8 ? 3 : 0;
 }
 
 // Per (sample, channel): dx = alpha * dy - k1 - (x - mu) * k2, with
@@ -73,7 +78,8 @@ struct BackwardTiles {
 };
 
 // Bytes of a vector held as 32-bit words (or one 16-bit word for a 2-byte
-// vector), and read back as the vector type at its use.
+// vector), and read back as the vector type at its use. Read-only inputs
+// only: the words alias the elements' storage, which nothing writes here.
 template <int kBytes>
 struct alignas(kBytes) Words {
   using Word = std::conditional_t<(kBytes >= 4), uint32_t, uint16_t>;
@@ -84,6 +90,7 @@ __device__ __forceinline__ VecT as_vec(const Raw& raw) {
   if constexpr (std::is_same_v<Raw, VecT>) {
     return raw;
   } else {
+    static_assert(sizeof(Raw) == sizeof(VecT), "a vector's words are its bytes");
     VecT v;
     memcpy(&v, &raw, sizeof(VecT));
     return v;
@@ -107,7 +114,7 @@ template <typename scalar_t, int V, typename F>
 __device__ __forceinline__ void for_each_pair(const scalar_t* dy, const scalar_t* x, int64_t first,
                                               int64_t end, int step, int64_t stride, F f) {
   using VecT = Vec<scalar_t, V>;
-  // 16-bit elements are kept in flight as 32-bit words: unpacked, each would
+  // 16-bit elements are kept in flight as words (Words): unpacked, each would
   // take a whole register (99 instead of 73 for the bfloat16 sums kernel).
   using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
   for (int64_t i0 = first; i0 < end; i0 += int64_t(kBackwardUnroll) * step) {
@@ -164,7 +171,8 @@ __device__ __forceinline__ Vec<scalar_t, V> dx_of(const Vec<scalar_t, V>& g,
 }
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kBackwardThreads, kBackwardBlocksPerSm)
+__global__ void __launch_bounds__(kBackwardThreads,
+                                  backward_contiguous_blocks_per_sm<scalar_t, V>())
     groupnorm_backward_sums_contiguous_kernel(
         const scalar_t* __restrict__ dy,           // [N * C, HxW]
         const scalar_t* __restrict__ x,            // [N * C, HxW]
@@ -202,7 +210,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kBackwardBlocksPerSm)
 }
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kBackwardThreads, kBackwardBlocksPerSm)
+__global__ void __launch_bounds__(kBackwardThreads,
+                                  backward_contiguous_blocks_per_sm<scalar_t, V>())
     groupnorm_backward_dx_contiguous_kernel(
         const scalar_t* __restrict__ dy,                 // [N * C, HxW]
         const scalar_t* __restrict__ x,                  // [N * C, HxW]
@@ -265,7 +274,7 @@ struct ChannelsLastTile {
 
 template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kBackwardThreads,
-                                  backward_channels_last_blocks_per_sm<scalar_t>())
+                                  backward_channels_last_sums_blocks_per_sm<scalar_t, V>())
     groupnorm_backward_sums_channels_last_kernel(
         const scalar_t* __restrict__ dy,           // [N, HxW, C]
         const scalar_t* __restrict__ x,            // [N, HxW, C]
