@@ -21,11 +21,11 @@
 // memory by cp.async, three per CTA, so loads run while a CTA reduces;
 // reading each atomic's result one item later instead of at once; and
 // independent warps with a static schedule (4 KiB pieces, no block barrier),
-// at half this kernel's speed; and pieces kept in shared memory (bulk copies
-// into a ring of slots) until their unit is ready, bound by the global round
-// trips each piece costs its CTA (39-67 % of the floor against 70 % on an
-// H100). The limit of this kernel (Nsight Compute on an H100): three in four
-// second reads miss L2, 1.6-1.7x the input read from DRAM.
+// at half this kernel's speed. On an H100: pieces kept in shared memory (bulk
+// copies into a ring of slots) until their unit is ready, bound by the global
+// round trips each piece costs its CTA (KernelBench L1-35: 39-67 % of the
+// floor against 70 %). The limit of this kernel (Nsight Compute on an H100):
+// 60-75 % of second reads miss L2, 1.6-1.7x the input read from DRAM.
 //
 // No deadlock, whatever is resident: lag >= pieces per unit puts every
 // statistics item of a unit before that unit's normalise items in ticket
