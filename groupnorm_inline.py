@@ -222,9 +222,10 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
 
     x: (N, C, *) float32/float16/bfloat16/float64 on a CUDA device; gamma, beta:
     (C,) tensors of x's dtype and device, or None. Returns a new tensor in x's
-    dtype and memory format. `kernel` ("auto", "reference", "contiguous",
-    "stream" (either layout), "channels_last") and `team` (CTAs per unit; for
-    "stream", pieces of lag; 0 = automatic) force a path, for tests and tuning.
+    dtype and memory format. `kernel` ("auto", "reference", "registers" and
+    "stream" (either layout), "contiguous", "channels_last") and `team` (CTAs
+    per unit; for "stream", pieces of lag; 0 = automatic) force a path, for
+    tests and tuning.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"groupnorm_cuda: x must be a torch.Tensor, got {type(x).__name__}")

@@ -450,7 +450,25 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
     ((3, 40, 77, 19), 4, torch.float32, "channels_last", "channels_last", 11),
     ((1, 320, 64, 64), 32, torch.bfloat16, "channels_last", "channels_last", 64),
     ((1, 16, 300, 300), 2, torch.float32, "channels_last", "channels_last", 1),  # re-read
+    # channels-last units that are blocks of a sample's groups
+    ((3, 1280, 5, 7), 40, torch.float16, "channels_last", "channels_last", 3),  # 10 blocks, teams
+    ((2, 768, 9, 11), 24, torch.bfloat16, "channels_last", "channels_last", 0),  # 6 blocks
+    ((2, 192, 6, 6), 12, torch.float64, "channels_last", "channels_last", 2),  # 6 blocks, 1-element vectors
     ((2, 12, 33, 35), 4, torch.float64, "contiguous", "contiguous", 6),
+    # one CTA per group, the group in registers, either layout
+    ((8, 1280, 8, 8), 32, torch.bfloat16, "channels_last", "registers", 0),  # SD UNet deepest
+    ((8, 1280, 8, 8), 32, torch.bfloat16, "contiguous", "registers", 0),
+    ((3, 60, 31), 5, torch.float16, "contiguous", "registers", 0),  # odd HxW: single elements
+    ((2, 8, 64, 64), 2, torch.float32, "contiguous", "registers", 0),  # 16 vectors a thread
+    ((2, 16, 64, 64), 2, torch.float32, "contiguous", "registers", 0),  # 8192 vectors: full
+    ((1, 512, 32, 32), 16, torch.float32, "channels_last", "registers", 0),  # full, channels-last
+    ((1, 256, 64, 64), 32, torch.float16, "channels_last", "registers", 0),  # 16 vectors a thread
+    ((2, 12, 33, 35), 4, torch.float64, "contiguous", "registers", 0),
+    ((3, 40, 37, 19), 4, torch.float32, "channels_last", "registers", 0),  # 2-element vectors
+    ((2, 21, 17, 19), 3, torch.float32, "channels_last", "registers", 0),  # single elements
+    ((2, 96, 17, 23), 6, torch.float16, "channels_last", "registers", 0),
+    ((3, 40, 100), 8, torch.float32, "channels_last", "registers", 0),  # (N, C, L), C innermost
+    ((2, 24, 3, 5, 7), 4, torch.bfloat16, "channels_last", "registers", 0),  # channels_last_3d
     ((3, 12, 61, 37), 3, torch.float32, "contiguous", "stream", 0),  # ragged last piece, odd HxW
     ((1, 8, 256, 256), 1, torch.bfloat16, "contiguous", "stream", 0),  # many pieces, one unit
     ((2, 12, 33, 35), 4, torch.float64, "contiguous", "stream", 0),
@@ -548,10 +566,10 @@ def test_gpu_plan_chooses_stream_above_l2_size():
     small = torch.empty(2, 64, 128, 128, device="cuda")
     assert small.numel() * 4 < l2
     assert gn.plan(small, 8).startswith("contiguous"), gn.plan(small, 8)
-    # larger than L2 but groups of under 8 pieces (2560 elements): team kernel
+    # larger than L2 but groups of 5 KiB: the registers kernel reads them once
     tiny_groups = torch.empty(512, 1280, 8, 8, device="cuda", dtype=torch.bfloat16)
     assert tiny_groups.numel() * 2 >= l2
-    assert gn.plan(tiny_groups, 32).startswith("contiguous"), gn.plan(tiny_groups, 32)
+    assert gn.plan(tiny_groups, 32).startswith("registers"), gn.plan(tiny_groups, 32)
 
 
 @cuda
@@ -567,13 +585,67 @@ def test_gpu_plan_chooses_row_stream_for_large_channels_last():
     assert text.startswith("stream channels_last"), text
     check_against_reference(x, 32, *affine(512, x.dtype, "cuda", "both"))
     check_saved_statistics(x, 32, "auto", 0)
-    assert gn.plan(x[:2], 32).startswith("channels_last"), gn.plan(x[:2], 32)
+    assert not gn.plan(x[:2], 32).startswith("stream"), gn.plan(x[:2], 32)
     assert gn.plan(x, 256).startswith("channels_last"), gn.plan(x, 256)
     assert gn.plan(x, 512).startswith("channels_last"), gn.plan(x, 512)
     one_sample = torch.empty(1, 512, 256, 256, device="cuda", dtype=torch.bfloat16)
     one_sample = one_sample.contiguous(memory_format=torch.channels_last)
     assert one_sample.numel() * 2 >= l2
     assert gn.plan(one_sample, 32).startswith("channels_last"), gn.plan(one_sample, 32)
+
+
+@cuda
+def test_gpu_plan_cuts_small_channels_last_samples_into_blocks():
+    # Few samples, groups too large for the registers kernel: the team
+    # kernel's units are blocks of whole groups, so that more teams share
+    # the grid.
+    x = make_input((2, 320, 64, 64), torch.float16, "channels_last", "cuda", shift=1000.0)
+    text = gn.plan(x, 32)
+    assert text.startswith("channels_last") and " blocks=" in text, text
+    w, b = affine(320, torch.float16, "cuda", "both")
+    check_against_reference(x, 32, w, b)
+    check_saved_statistics(x, 32, "auto", 0)
+    # A block's row stays at least 128 bytes: 64 bfloat16 channels are not cut.
+    one = make_input((1, 64, 128, 128), torch.bfloat16, "channels_last", "cuda")
+    assert " blocks=" not in gn.plan(one, 8, kernel="channels_last"), gn.plan(one, 8)
+    # Enough samples to fill the grid: not cut either.
+    many = make_input((300, 1280, 2, 2), torch.float16, "channels_last", "cuda")
+    text = gn.plan(many, 32, kernel="channels_last")
+    assert " blocks=" not in text, text
+
+
+@cuda
+def test_gpu_plan_takes_registers_kernel_for_small_groups():
+    # Groups of at most 8192 vectors (128 KiB): one CTA per group, either layout.
+    for shape, groups, dtype, layout in [((8, 1280, 8, 8), 32, torch.bfloat16, "channels_last"),
+                                         ((8, 1280, 8, 8), 32, torch.bfloat16, "contiguous"),
+                                         ((4, 32, 8, 8), 8, torch.float32, "contiguous"),
+                                         ((4, 512, 64, 64), 32, torch.float16, "contiguous"),
+                                         ((4, 512, 64, 64), 32, torch.float16, "channels_last")]:
+        x = make_input(shape, dtype, layout, "cuda", shift=1000.0)
+        text = gn.plan(x, groups)
+        assert text.startswith("registers"), text
+        assert ("channels_last" in text) == (layout == "channels_last"), text
+        check_against_reference(x, groups, *affine(shape[1], dtype, "cuda", "both"))
+        check_saved_statistics(x, groups, "auto", 0)
+    # Groups of 256 KiB: a team kernel.
+    x = make_input((1, 512, 64, 32), torch.float32, "channels_last", "cuda")
+    assert gn.plan(x, 16).startswith("channels_last"), gn.plan(x, 16)
+    # 64 KiB groups of an input at least as large as L2: these take a whole
+    # SM each (16 vectors a thread), so the stream kernel keeps them.
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    many = torch.empty(32, 256, 64, 64, device="cuda", dtype=torch.float16)
+    assert many.numel() * 2 >= l2 and "items=16" in gn.plan(many, 32, kernel="registers")
+    assert not gn.plan(many, 32).startswith("registers"), gn.plan(many, 32)
+    # Small groups of a channels-last input at least as large as L2: not
+    # this kernel (each CTA would read partial rows).
+    big = make_input((512, 1280, 8, 8), torch.bfloat16, "channels_last", "cuda")
+    assert big.numel() * 2 >= l2
+    assert not gn.plan(big, 32).startswith("registers"), gn.plan(big, 32)
+    # Forced on a group larger than the kernel holds: a clear error.
+    big = torch.randn(1, 8, 128, 128, device="cuda")
+    with pytest.raises(RuntimeError, match="registers kernel holds at most 8192 vectors"):
+        gn.groupnorm_cuda(big, None, None, 1, kernel="registers")
 
 
 @cuda
@@ -627,7 +699,7 @@ def test_gpu_non_contiguous_and_misaligned_inputs():
     assert "vec=1" in gn.plan(offset, 8)
     check_against_reference(offset, 8, *affine(32, torch.float16, "cuda", "both"))
     transposed = torch.randn(2, 50, 24, device="cuda").transpose(1, 2)  # (N, C, L), C innermost
-    assert gn.plan(transposed, 6).startswith("channels_last")
+    assert "channels_last" in gn.plan(transposed, 6)
     check_against_reference(transposed, 6, *affine(24, torch.float32, "cuda", "both"))
 
 

@@ -77,26 +77,6 @@ struct BackwardTiles {
   int64_t tiles;      // pieces of work (CTAs, if the grid is that large)
 };
 
-// Bytes of a vector held as 32-bit words (or one 16-bit word for a 2-byte
-// vector), and read back as the vector type at its use. Read-only inputs
-// only: the words alias the elements' storage, which nothing writes here.
-template <int kBytes>
-struct alignas(kBytes) Words {
-  using Word = std::conditional_t<(kBytes >= 4), uint32_t, uint16_t>;
-  Word w[kBytes / sizeof(Word)];
-};
-template <typename VecT, typename Raw>
-__device__ __forceinline__ VecT as_vec(const Raw& raw) {
-  if constexpr (std::is_same_v<Raw, VecT>) {
-    return raw;
-  } else {
-    static_assert(sizeof(Raw) == sizeof(VecT), "a vector's words are its bytes");
-    VecT v;
-    memcpy(&v, &raw, sizeof(VecT));
-    return v;
-  }
-}
-
 template <typename A>
 __device__ __forceinline__ void store_pair(A* partial, A s_dy, A s_dyx) {
   partial[0] = s_dy;

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace groupnorm {
 
@@ -97,6 +98,26 @@ __device__ __forceinline__ Vec<scalar_t, V> normalise_vec(const Vec<scalar_t, V>
     out.val[e] = static_cast<scalar_t>((static_cast<A>(v.val[e]) - mean) * f.scale + f.shift);
   }
   return out;
+}
+
+// Bytes of a vector held as 32-bit words (or one 16-bit word for a 2-byte
+// vector), and read back as the vector type at its use. Read-only inputs
+// only: the words alias the elements' storage, which nothing writes while they are held.
+template <int kBytes>
+struct alignas(kBytes) Words {
+  using Word = std::conditional_t<(kBytes >= 4), uint32_t, uint16_t>;
+  Word w[kBytes / sizeof(Word)];
+};
+template <typename VecT, typename Raw>
+__device__ __forceinline__ VecT as_vec(const Raw& raw) {
+  if constexpr (std::is_same_v<Raw, VecT>) {
+    return raw;
+  } else {
+    static_assert(sizeof(Raw) == sizeof(VecT), "a vector's words are its bytes");
+    VecT v;
+    memcpy(&v, &raw, sizeof(VecT));
+    return v;
+  }
 }
 
 template <typename A>

@@ -3,7 +3,10 @@
 // innermost).
 //
 // A unit is one sample, HxW rows of C contiguous channels holding all G
-// groups. T CTAs (a team) split the rows; each thread owns one column of V
+// groups, or a block of whole groups of one sample (`blocks` per sample,
+// C / blocks channels each): small samples cut by channels give the grid
+// enough units for one CTA each, with no team barrier. T CTAs (a team)
+// split the rows; each thread owns one column of V
 // channels for the whole launch, so its per-channel statistics, scale and
 // shift stay in registers, and rows are read with coalesced accesses of up to
 // 16 bytes whatever C / G is (a column may straddle groups). A CTA keeps the
@@ -11,7 +14,7 @@
 // the whole slice kept, x is read from DRAM once and y written once; a sample
 // larger than the on-chip memory of all CTAs together re-reads the rest.
 //
-// Thread layout: cols = C / V threads cover a row, rows_per_step rows go in
+// Thread layout: cols = C / V threads cover a unit's row, rows_per_step rows go in
 // parallel; threads beyond cols * rows_per_step (the block is rounded up to
 // whole warps) only help with the reductions.
 #include "common.cuh"
@@ -29,10 +32,10 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
                                            scalar_t* __restrict__ y,            // [N, HxW, C]
                                            acc_t<scalar_t>* __restrict__ mean,  // [N, G]
                                            acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
-                                           TeamWorkspace<acc_t<scalar_t>> ws, int64_t N,
-                                           int64_t HxW, int C, int G, int D, int rows_per_step,
-                                           int T, int64_t rows_per_slice, int64_t kept,
-                                           acc_t<scalar_t> eps) {
+                                           TeamWorkspace<acc_t<scalar_t>> ws, int64_t units,
+                                           int64_t HxW, int ldc, int blocks, int C, int G, int D,
+                                           int rows_per_step, int T, int64_t rows_per_slice,
+                                           int64_t kept, acc_t<scalar_t> eps) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -59,10 +62,14 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
   const A local_count = A(rows * D);
 
   int round = 0;
-  for (int64_t n = team; n < N; n += teams, ++round) {
-    const scalar_t* first = x + (n * HxW + first_row) * C;  // this slice's first row
+  // C and G are the unit's channels and groups; rows are ldc channels apart.
+  for (int64_t unit = team; unit < units; unit += teams, ++round) {
+    const int64_t n = unit / blocks;
+    const int64_t c_unit = (unit % blocks) * C;  // the unit's first channel
+    const int64_t offset = (n * HxW + first_row) * ldc + c_unit;
+    const scalar_t* first = x + offset;  // this slice's first row
     const scalar_t* xs = first + c0;
-    scalar_t* ys = y + (n * HxW + first_row) * C + c0;
+    scalar_t* ys = y + offset + c0;
     scalar_t* ks = on_chip + c0;
 
     // Sweep 1: load (keeping what fits on chip) and sum x - shift per channel.
@@ -80,7 +87,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
 #pragma unroll
         for (int u = 0; u < kRowUnroll; ++u) {
           const int64_t r = r0 + int64_t(u) * rows_per_step;
-          if (r < rows) v[u] = load_vec<scalar_t, V>(xs + r * C);
+          if (r < rows) v[u] = load_vec<scalar_t, V>(xs + r * ldc);
         }
 #pragma unroll
         for (int u = 0; u < kRowUnroll; ++u) {
@@ -113,7 +120,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
       }
       for (int64_t r = row_lane; r < rows; r += rows_per_step) {
         const VecT v =
-            r < nkept ? load_vec<scalar_t, V>(ks + r * C) : load_vec<scalar_t, V>(xs + r * C);
+            r < nkept ? load_vec<scalar_t, V>(ks + r * C) : load_vec<scalar_t, V>(xs + r * ldc);
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           const A d = static_cast<A>(v.val[e]) - m[e];
@@ -127,7 +134,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
     reduce_groups(sh.red, rows_per_step, C, G, D, sh.local_m2);
 
     team_combine(ws, team, rank, T, round, G, count_of, A(HxW * D), eps, sh.local_mean, sh.local_m2,
-                 sh.mean, sh.rstd, sh.red, mean + n * G, rstd + n * G);
+                 sh.mean, sh.rstd, sh.red, mean + unit * G, rstd + unit * G);
 
     // Sweep 3: y = (x - mean) * a + beta, a = rstd * gamma, per channel.
     if (sweeps) {
@@ -136,18 +143,18 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
       for (int e = 0; e < V; ++e) {
         mu[e] = sh.mean[group[e]];
         const A rs = sh.rstd[group[e]];
-        a[e] = gamma != nullptr ? rs * static_cast<A>(gamma[c0 + e]) : rs;
-        b[e] = beta != nullptr ? static_cast<A>(beta[c0 + e]) : A(0);
+        a[e] = gamma != nullptr ? rs * static_cast<A>(gamma[c_unit + c0 + e]) : rs;
+        b[e] = beta != nullptr ? static_cast<A>(beta[c_unit + c0 + e]) : A(0);
       }
       for (int64_t r = row_lane; r < rows; r += rows_per_step) {
         const VecT v =
-            r < nkept ? load_vec<scalar_t, V>(ks + r * C) : load_vec<scalar_t, V>(xs + r * C);
+            r < nkept ? load_vec<scalar_t, V>(ks + r * C) : load_vec<scalar_t, V>(xs + r * ldc);
         VecT out;
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           out.val[e] = static_cast<scalar_t>((static_cast<A>(v.val[e]) - mu[e]) * a[e] + b[e]);
         }
-        store_vec_streaming<scalar_t, V>(ys + r * C, out);
+        store_vec_streaming<scalar_t, V>(ys + r * ldc, out);
       }
     }
     __syncthreads();  // the kept rows and shared statistics are reused

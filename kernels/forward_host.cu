@@ -24,6 +24,7 @@
 #include "forward_channels_last.cu"
 #include "forward_contiguous.cu"
 #include "forward_reference.cu"
+#include "forward_registers.cu"
 #include "forward_stream.cu"
 #include "forward_stream_channels_last.cu"
 
@@ -122,10 +123,11 @@ int blocks_per_sm(const void* kernel, int device, int threads, size_t smem) {
 // ---------------------------------------------------------------------------
 // The plan: which kernel runs for this shape, and why.
 // ---------------------------------------------------------------------------
-enum class Kernel { Reference, Contiguous, ChannelsLast, Stream, StreamChannelsLast };
+enum class Kernel { Reference, Contiguous, ChannelsLast, Stream, StreamChannelsLast, Registers };
 
 struct Request {
-  std::string kernel = "auto";  // "auto", "reference", "contiguous", "stream", "channels_last"
+  std::string kernel = "auto";  // "auto", "reference", "registers", "contiguous", "stream",
+                                // "channels_last"
   int64_t team = 0;             // CTAs per unit (stream: its lag in pieces); 0 = choose
 };
 
@@ -142,14 +144,17 @@ struct Plan {
   int vec = 1;       // elements per access
   int64_t kept = 0;  // items of the slice held on chip (all: one DRAM read of x)
   int threads = kReferenceThreads;
-  int rows_per_step = 1;  // channels-last: rows in flight per sweep step
-  int64_t units = 0;      // groups (contiguous) or samples (channels-last)
-  int64_t slice = 0;      // items per CTA: vectors (contiguous) or rows (channels-last)
-  int team = 1;           // CTAs per unit (stream: pieces per unit)
-  int64_t rounds = 1;     // units each team handles in turn
-  int64_t lag = 0;        // stream: pieces the statistics run ahead
-  int64_t slots = 0;      // stream: units whose piece statistics are kept at once
-  int64_t chunk = 0;      // stream, channels-last: pieces per first-level merge
+  int rows_per_step = 1;       // channels-last: rows in flight per sweep step
+  int blocks = 1;              // channels-last team kernel: units (channel blocks) per sample
+  bool channels_last = false;  // registers kernel: x is (N, HxW, C)
+  int items = 0;               // registers kernel: vectors a thread can hold (K)
+  int64_t units = 0;           // groups (contiguous) or samples (channels-last)
+  int64_t slice = 0;           // items per CTA: vectors (contiguous) or rows (channels-last)
+  int team = 1;                // CTAs per unit (stream: pieces per unit)
+  int64_t rounds = 1;          // units each team handles in turn
+  int64_t lag = 0;             // stream: pieces the statistics run ahead
+  int64_t slots = 0;           // stream: units whose piece statistics are kept at once
+  int64_t chunk = 0;           // stream, channels-last: pieces per first-level merge
   int64_t grid = 0;
   size_t smem = 0;
   std::string why;
@@ -320,6 +325,8 @@ const char* kernel_name(Kernel k) {
       return "channels_last";
     case Kernel::StreamChannelsLast:
       return "stream";
+    case Kernel::Registers:
+      return "registers";
     default:
       return "reference";
   }
@@ -407,6 +414,79 @@ bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Reques
   return true;
 }
 
+// Channels-last samples too small to give every CTA of the grid a unit of
+// its own are cut into blocks of whole groups (forward_channels_last.cu):
+// each unit then fits one CTA, with no team barrier (on an H100 the team
+// kernel took 19-20 us on 8x1280x8x8 and 2x1280x16x16, twice the contiguous
+// kernel on the same bytes: benchmarks/README.md, run O; those shapes now take
+// the registers kernel). A block's row keeps at least kMinBlockRowBytes, so
+// that its reads stay coalesced; blocks stop once there are two units per SM.
+// 128 bytes, measured on an H100 against 64 and 256 (run P): 1x128x512x512
+// bf16 0.116 ms against 0.161 and 0.128 (0.142 uncut), 2x320x64x64 f16 0.028
+// against 0.025 and 0.036 (0.029 uncut).
+constexpr int64_t kMinBlockRowBytes = 128;
+int channels_last_blocks(const Shape& s, int device) {
+  const int64_t target = 2 * int64_t(device_info(device).sms);
+  int blocks = 1;
+  for (int b = 2; b <= s.G && s.N * blocks < target; ++b) {
+    if (s.G % b != 0) continue;
+    if ((s.C / b) * int64_t(s.elem) < kMinBlockRowBytes) break;
+    blocks = b;
+  }
+  return blocks;
+}
+
+// Groups of at most kRegistersMaxThreads * kRegistersManyItems vectors (128
+// KiB with 16-byte vectors) take the registers kernel (forward_registers.cu):
+// one CTA per group reads x once, with no team barrier, no workspace to clear
+// and no shared slice. Threads are sized for about kRegistersFewItems vectors
+// each: more threads put more loads in flight at once, which is what a
+// latency-bound launch needs. Measured on an H100 against the team kernels
+// (benchmarks/README.md, run P), faster on every group that fits: 8x1280x8x8
+// bf16 0.0098 -> 0.0076 ms contiguous and 0.0127 -> 0.0082 channels-last,
+// 4x512x64x64 f16 (128 KiB groups) 0.025 -> 0.022 and 0.034 -> 0.028.
+// Inputs at least as large as L2 take it only in the few-items form on
+// contiguous groups (512x1280x8x8 bf16: 0.142 -> 0.064 ms, 88 % of the
+// floor): a channels-last group's rows are D channels of a C-wide row, and on
+// that shape in channels-last those partial rows made it 0.169 ms against
+// 0.137 for the team kernel, whose CTAs read whole rows; the many-items form
+// runs one CTA per SM, unmeasured against the stream kernel there.
+template <typename scalar_t>
+bool plan_registers(Plan& p, const Shape& s, int device, const Request& req) {
+  const bool forced = req.kernel == "registers";
+  if (!forced && !(req.kernel == "auto" && req.team == 0)) return false;
+  const int64_t D = s.C / s.G;
+  const int64_t L = D * s.HxW;
+  const int v = s.channels_last ? widest_vector(s.elem, s.x_addr, {s.C, D}, kContiguousVecBytes)
+                                : widest_vector(s.elem, s.x_addr, {s.HxW}, kContiguousVecBytes);
+  const int64_t vectors = L / v;
+  const bool fits = vectors <= int64_t(kRegistersMaxThreads) * kRegistersManyItems;
+  if (forced) {
+    TORCH_CHECK(fits, message("groupnorm: the registers kernel holds at most ",
+                              kRegistersMaxThreads * kRegistersManyItems,
+                              " vectors per group, got ", vectors, " of ", v, " elements"));
+    TORCH_CHECK(req.team <= 1, "groupnorm: the registers kernel has no teams");
+  } else if (!fits) {
+    return false;
+  }
+  const int threads = int(std::clamp<int64_t>(
+      (vectors + kRegistersFewItems * kWarp - 1) / (kRegistersFewItems * kWarp) * kWarp, kWarp,
+      kRegistersMaxThreads));
+  const int items =
+      vectors <= int64_t(threads) * kRegistersFewItems ? kRegistersFewItems : kRegistersManyItems;
+  const bool large = s.N * s.C * s.HxW * int64_t(s.elem) >= int64_t(device_info(device).l2_bytes);
+  if (!forced && large && (s.channels_last || items != kRegistersFewItems)) return false;
+  p.kernel = Kernel::Registers;
+  p.channels_last = s.channels_last;
+  p.vec = v;
+  p.units = s.N * s.G;
+  p.threads = threads;
+  p.items = items;
+  p.grid = std::min(p.units, kMaxGrid);
+  p.why = forced ? "registers requested" : "a group fits one CTA's registers";
+  return true;
+}
+
 // Which kernel runs for this shape, and why. Contiguous input takes the
 // stream kernel when it is at least as large as L2 and its groups have
 // kStreamMinPieces pieces or more (its second read of x then comes
@@ -423,14 +503,17 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
   const int64_t D = s.C / s.G;
   const size_t acc = sizeof(acc_t<scalar_t>);
   const bool want_ref = req.kernel == "reference";
-  TORCH_CHECK_VALUE(want_ref || req.kernel == "auto" || req.kernel == "contiguous" ||
-                        req.kernel == "stream" || req.kernel == "channels_last",
+  TORCH_CHECK_VALUE(want_ref || req.kernel == "auto" || req.kernel == "registers" ||
+                        req.kernel == "contiguous" || req.kernel == "stream" ||
+                        req.kernel == "channels_last",
                     message("groupnorm: unknown kernel '", req.kernel,
-                            "' (expected auto, reference, contiguous, stream or channels_last)"));
+                            "' (expected auto, reference, registers, contiguous, stream or "
+                            "channels_last)"));
   TORCH_CHECK_VALUE(
       s.channels_last ? req.kernel != "contiguous" : req.kernel != "channels_last",
       message("groupnorm: kernel '", req.kernel, "' does not match the input's layout (",
               s.channels_last ? "channels_last" : "contiguous", ")"));
+  if (!want_ref && plan_registers<scalar_t>(p, s, device, req)) return p;
   if (!want_ref && !s.channels_last) {
     p.kernel = Kernel::Contiguous;
     p.vec = widest_vector(s.elem, s.x_addr, {s.HxW}, kContiguousVecBytes);  // one channel a vector
@@ -470,21 +553,24 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
   }
   if (!want_ref && plan_stream_channels_last<scalar_t>(p, s, device, req)) return p;
   if (!want_ref) {
-    int v = widest_vector(s.elem, s.x_addr, {s.C}, kChannelsLastVecBytes);
-    if (s.C / v > kChannelsLastMaxThreads) {
-      v = widest_vector(s.elem, s.x_addr, {s.C}, kChannelsLastWideVecBytes);
+    const int blocks = channels_last_blocks(s, device);
+    const int64_t C = s.C / blocks;  // a unit's channels
+    int v = widest_vector(s.elem, s.x_addr, {s.C, C}, kChannelsLastVecBytes);
+    if (C / v > kChannelsLastMaxThreads) {
+      v = widest_vector(s.elem, s.x_addr, {s.C, C}, kChannelsLastWideVecBytes);
     }
-    const int64_t cols = s.C / v;
+    const int64_t cols = C / v;
     if (cols <= kChannelsLastMaxThreads) {
       p.kernel = Kernel::ChannelsLast;
       p.vec = v;
+      p.blocks = blocks;
       p.rows_per_step = int(std::max<int64_t>(1, kContiguousThreads / cols));
       p.threads = int((cols * p.rows_per_step + kWarp - 1) / kWarp * kWarp);
-      p.units = s.N;
+      p.units = s.N * blocks;
       const void* k = nullptr;
       with_vec<scalar_t, kChannelsLastWideVecBytes>(
           p.vec, [&](auto v) { k = channels_last_kernel<scalar_t, decltype(v)::value>(); });
-      plan_teams(p, k, device, s.HxW, s.C * s.elem, s.G, p.rows_per_step * int(s.C), acc, req);
+      plan_teams(p, k, device, s.HxW, C * s.elem, s.G / blocks, p.rows_per_step * int(C), acc, req);
       return p;
     }
     TORCH_CHECK(req.kernel != "channels_last",
@@ -501,6 +587,12 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
 }
 
 std::string describe_plan(const Plan& p) {
+  if (p.kernel == Kernel::Registers) {
+    return std::string("registers ") + (p.channels_last ? "channels_last " : "") +
+           "vec=" + std::to_string(p.vec) + " items=" + std::to_string(p.items) +
+           " grid=" + std::to_string(p.grid) + " threads=" + std::to_string(p.threads) + " (" +
+           p.why + ")";
+  }
   if (p.kernel == Kernel::Stream || p.kernel == Kernel::StreamChannelsLast) {
     const bool rows = p.kernel == Kernel::StreamChannelsLast;
     return std::string(rows ? "stream channels_last" : "stream") + " vec=" + std::to_string(p.vec) +
@@ -510,6 +602,7 @@ std::string describe_plan(const Plan& p) {
            " grid=" + std::to_string(p.grid) + " (" + p.why + ")";
   }
   return std::string(kernel_name(p.kernel)) + " vec=" + std::to_string(p.vec) +
+         (p.blocks > 1 ? " blocks=" + std::to_string(p.blocks) : "") +
          " team=" + std::to_string(p.team) + " kept=" + std::to_string(p.kept) + "/" +
          std::to_string(p.slice) + " grid=" + std::to_string(p.grid) +
          " threads=" + std::to_string(p.threads) + " smem=" + std::to_string(p.smem) + " (" +
@@ -656,11 +749,13 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
       break;
     }
     case Kernel::ChannelsLast: {
-      const auto ws = make_workspace<A>(p, s.G, y, storage, stream);
+      const int unit_groups = s.G / p.blocks;
+      const auto ws = make_workspace<A>(p, unit_groups, y, storage, stream);
       with_vec<scalar_t, kChannelsLastWideVecBytes>(p.vec, [&](auto v) {
         launch(p, &groupnorm_forward_channels_last_kernel<scalar_t, decltype(v)::value>, stream, x,
-               gamma, beta, out, mean_p, rstd_p, ws, s.N, s.HxW, int(s.C), s.G, D, p.rows_per_step,
-               p.team, p.slice, p.kept, A(eps));
+               gamma, beta, out, mean_p, rstd_p, ws, p.units, s.HxW, int(s.C), p.blocks,
+               int(s.C / p.blocks), unit_groups, D, p.rows_per_step, p.team, p.slice, p.kept,
+               A(eps));
       });
       break;
     }
@@ -713,6 +808,20 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
             <<<unsigned(p.grid), unsigned(p.threads), p.smem, stream>>>(
                 x, gamma, beta, out, mean_p, rstd_p, piece_partial, chunk_partial, ws, s.HxW,
                 int(s.C), s.G, D, p.rows_per_step, pieces, p.chunk, p.slots, order, A(eps));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      break;
+    }
+    case Kernel::Registers: {
+      with_vec<scalar_t, kContiguousVecBytes>(p.vec, [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        const auto kernel =
+            p.items == kRegistersFewItems
+                ? &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersFewItems>
+                : &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersManyItems>;
+        kernel<<<unsigned(p.grid), unsigned(p.threads), 0, stream>>>(
+            x, gamma, beta, out, mean_p, rstd_p, p.units, int(s.HxW), s.C, s.G, D, s.channels_last,
+            A(eps));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       break;

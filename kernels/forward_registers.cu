@@ -1,0 +1,110 @@
+// GroupNorm forward for small units, either layout: one CTA per unit (sample,
+// group) that holds the whole unit in registers, at most K vectors per thread,
+// from its one read of x to its one write of y. 16-bit vectors are held as
+// 32-bit words (Words): unpacked, each element would take a register of its
+// own.
+//
+// Small shapes are bound by latency, not bandwidth: a few microseconds of
+// launch, one DRAM round trip and the barriers between the sweeps. This
+// kernel has no shared slice, no team and no workspace to clear; its only
+// barriers are the two block sums (the shifted sum, then the centred sum of
+// squares). A channels-last unit is HxW rows of D channels, C apart, so each
+// CTA reads only its own group's columns and the team barrier of the
+// channels-last kernel (whose unit is a whole sample) is not needed.
+#include "common.cuh"
+
+namespace groupnorm {
+
+constexpr int kRegistersMaxThreads = 512;
+// The kernel is built for K = 4 and K = 16 vectors per thread: K = 16 takes
+// groups of up to 8192 vectors but needs about twice the registers, which
+// would cut the CTAs per SM of the many small groups that K = 4 holds.
+constexpr int kRegistersFewItems = 4;
+constexpr int kRegistersManyItems = 16;
+
+template <typename scalar_t, int V, int K>
+__global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_registers_kernel(
+    const scalar_t* __restrict__ x,      // [N, C, HxW] or [N, HxW, C]
+    const scalar_t* __restrict__ gamma,  // [C] or nullptr
+    const scalar_t* __restrict__ beta,   // [C] or nullptr
+    scalar_t* __restrict__ y,            // x's layout
+    acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+    acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
+    int64_t units, int HxW, int64_t C, int G, int D, bool channels_last, acc_t<scalar_t> eps) {
+  using A = acc_t<scalar_t>;
+  using VecT = Vec<scalar_t, V>;
+  using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
+  __shared__ A scratch[kRegistersMaxThreads / kWarp];
+  // The host guarantees L <= blockDim.x * K * V (so L fits an int),
+  // HxW % V == 0 (contiguous) and D % V == 0 (channels-last).
+  const int L = D * HxW;
+  const int nvec = L / V;
+  const int cols = D / V;  // channels-last: vectors in one row of the unit
+  // Offset of vector i from the unit's first element. A channels-last row
+  // offset can pass 2^31 (HxW * C), so it is 64-bit.
+  const auto offset = [&](int i) -> int64_t {
+    if (!channels_last) return int64_t(i) * V;
+    const int r = i / cols;
+    return int64_t(r) * C + (i - r * cols) * V;
+  };
+
+  for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
+    const int64_t n = unit / G;
+    const int g = int(unit - n * G);
+    const int64_t base = channels_last ? n * HxW * C + int64_t(g) * D : unit * L;
+    const scalar_t* xs = x + base;
+
+    Raw raw[K];
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i < nvec) raw[k] = *reinterpret_cast<const Raw*>(xs + offset(i));
+    }
+    // Calls f(value) for every element this thread holds.
+    const auto for_each_held = [&](auto f) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        if (threadIdx.x + k * blockDim.x < nvec) {
+          const VecT v = as_vec<VecT>(raw[k]);
+#pragma unroll
+          for (int e = 0; e < V; ++e) f(static_cast<A>(v.val[e]));
+        }
+      }
+    };
+    // Summing x - x[0] keeps the float sum small for inputs far from zero.
+    const A shift = static_cast<A>(xs[0]);
+    A sum = 0;
+    for_each_held([&](A value) { sum += value - shift; });
+    const A mu = shift + block_sum(sum, scratch) / A(L);
+    A m2 = 0;
+    for_each_held([&](A value) { m2 += (value - mu) * (value - mu); });
+    const A rs = rsqrt(block_sum(m2, scratch) / A(L) + eps);
+    if (threadIdx.x == 0) {
+      mean[unit] = mu;
+      rstd[unit] = rs;
+    }
+
+    const int64_t c_first = int64_t(g) * D;  // the group's first channel
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+      const int i = threadIdx.x + k * blockDim.x;
+      if (i >= nvec) continue;
+      const VecT v = as_vec<VecT>(raw[k]);
+      VecT out;
+      if (!channels_last) {  // a vector lies in one channel
+        out = normalise_vec<scalar_t, V>(v, mu,
+                                         channel_affine(c_first + i * V / HxW, rs, gamma, beta));
+      } else {  // a vector spans V channels
+        const int64_t c = c_first + (i % cols) * V;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const ChannelAffine<A> f = channel_affine(c + e, rs, gamma, beta);
+          out.val[e] = static_cast<scalar_t>((static_cast<A>(v.val[e]) - mu) * f.scale + f.shift);
+        }
+      }
+      store_vec_streaming<scalar_t, V>(y + base + offset(i), out);
+    }
+  }
+}
+
+}  // namespace groupnorm
