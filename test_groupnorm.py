@@ -469,6 +469,13 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
     ((2, 96, 17, 23), 6, torch.float16, "channels_last", "registers", 0),
     ((3, 40, 100), 8, torch.float32, "channels_last", "registers", 0),  # (N, C, L), C innermost
     ((2, 24, 3, 5, 7), 4, torch.bfloat16, "channels_last", "registers", 0),  # channels_last_3d
+    # groups shared by a cluster of CTAs (sm_90+; skipped where there are none)
+    ((2, 320, 64, 64), 32, torch.float16, "channels_last", "registers", 0),  # 4-byte vectors
+    ((2, 16, 100, 100), 2, torch.float32, "contiguous", "registers", 0),  # ragged last rank
+    ((1, 32, 128, 129), 4, torch.bfloat16, "contiguous", "registers", 0),
+    ((1, 8, 128, 256), 1, torch.float32, "contiguous", "registers", 0),  # 8 ranks of 512: full
+    ((2, 64, 40, 50), 2, torch.float32, "channels_last", "registers", 0),
+    ((2, 48, 10, 31, 7), 3, torch.float64, "channels_last", "registers", 0),
     ((3, 12, 61, 37), 3, torch.float32, "contiguous", "stream", 0),  # ragged last piece, odd HxW
     ((1, 8, 256, 256), 1, torch.bfloat16, "contiguous", "stream", 0),  # many pieces, one unit
     ((2, 12, 33, 35), 4, torch.float64, "contiguous", "stream", 0),
@@ -496,6 +503,11 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
 def test_gpu_forced_paths(case):
     shape, groups, dtype, layout, kernel, team = case
     x = make_input(shape, dtype, layout, "cuda", shift=2.0)
+    if kernel == "registers" and torch.cuda.get_device_capability() < (9, 0):
+        try:
+            gn.plan(x, groups, kernel=kernel)
+        except RuntimeError:
+            pytest.skip("a group larger than one CTA needs thread-block clusters (sm_90+)")
     text = gn.plan(x, groups, kernel=kernel, team=team)
     assert text.startswith(kernel), text
     if kernel == "stream":  # team is the lag, kept between pieces per unit and all pieces
@@ -599,7 +611,7 @@ def test_gpu_plan_cuts_small_channels_last_samples_into_blocks():
     # Few samples, groups too large for the registers kernel: the team
     # kernel's units are blocks of whole groups, so that more teams share
     # the grid.
-    x = make_input((2, 320, 64, 64), torch.float16, "channels_last", "cuda", shift=1000.0)
+    x = make_input((2, 320, 128, 128), torch.float16, "channels_last", "cuda", shift=1000.0)
     text = gn.plan(x, 32)
     assert text.startswith("channels_last") and " blocks=" in text, text
     w, b = affine(320, torch.float16, "cuda", "both")
@@ -628,8 +640,18 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
         assert ("channels_last" in text) == (layout == "channels_last"), text
         check_against_reference(x, groups, *affine(shape[1], dtype, "cuda", "both"))
         check_saved_statistics(x, groups, "auto", 0)
-    # Groups of 256 KiB: a team kernel.
-    x = make_input((1, 512, 64, 32), torch.float32, "channels_last", "cuda")
+    # Groups of 10 channels, which need 4-byte vectors in channels-last: a
+    # cluster of CTAs shares each (where the device has clusters).
+    x = make_input((2, 320, 64, 64), torch.float16, "channels_last", "cuda", shift=1000.0)
+    text = gn.plan(x, 32)
+    if torch.cuda.get_device_capability() >= (9, 0):
+        assert text.startswith("registers channels_last vec=2") and " ranks=5 " in text, text
+        check_against_reference(x, 32, *affine(320, x.dtype, "cuda", "both"))
+        check_saved_statistics(x, 32, "auto", 0)
+    else:
+        assert text.startswith("channels_last"), text
+    # Groups of 1 MiB (more than a cluster holds): a team kernel.
+    x = make_input((1, 512, 128, 128), torch.float32, "channels_last", "cuda")
     assert gn.plan(x, 16).startswith("channels_last"), gn.plan(x, 16)
     # 64 KiB groups of an input at least as large as L2: these take a whole
     # SM each (16 vectors a thread), so the stream kernel keeps them.
@@ -642,9 +664,10 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
     big = make_input((512, 1280, 8, 8), torch.bfloat16, "channels_last", "cuda")
     assert big.numel() * 2 >= l2
     assert not gn.plan(big, 32).startswith("registers"), gn.plan(big, 32)
-    # Forced on a group larger than the kernel holds: a clear error.
-    big = torch.randn(1, 8, 128, 128, device="cuda")
-    with pytest.raises(RuntimeError, match="registers kernel holds at most 8192 vectors"):
+    # Forced on a group larger than a cluster holds: a clear error.
+    big = torch.randn(1, 16, 128, 256, device="cuda")
+    with pytest.raises(RuntimeError, match="registers kernel holds at most 8192 vectors per group "
+                                           "in one CTA, or 65536 in a cluster"):
         gn.groupnorm_cuda(big, None, None, 1, kernel="registers")
 
 

@@ -11,6 +11,14 @@
 // squares). A channels-last unit is HxW rows of D channels, C apart, so each
 // CTA reads only its own group's columns and the team barrier of the
 // channels-last kernel (whose unit is a whole sample) is not needed.
+//
+// A group too large for one CTA is shared by a thread-block cluster (sm_90+)
+// of `ranks` CTAs, which the hardware schedules together: each CTA sums its
+// part, publishes the sum in its shared memory, and every CTA adds the
+// cluster's sums in rank order through distributed shared memory, so all of
+// them normalise with the same bits. Still one read of x and no workspace.
+#include <cooperative_groups.h>
+
 #include "common.cuh"
 
 namespace groupnorm {
@@ -21,6 +29,34 @@ constexpr int kRegistersMaxThreads = 512;
 // would cut the CTAs per SM of the many small groups that K = 4 holds.
 constexpr int kRegistersFewItems = 4;
 constexpr int kRegistersManyItems = 16;
+constexpr int kRegistersMaxRanks = 8;  // CTAs of a cluster (the portable maximum)
+
+// The sum over the `ranks` CTAs of this CTA's cluster of one value per CTA
+// (`block_total`, the same in every thread), added in rank order. `slot` is
+// this CTA's shared variable for it, read by the others; the caller keeps a
+// CTA's slots alive until every CTA of the cluster has read them (a final
+// cluster barrier). Ends with a cluster barrier, which is also a block one.
+template <bool kClustered, typename A>
+__device__ __forceinline__ A cluster_sum(A block_total, A* slot, int ranks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (kClustered && ranks > 1) {
+    cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
+    if (threadIdx.x == 0) *slot = block_total;
+    cluster.sync();
+    A total = 0;
+    for (int r = 0; r < ranks; ++r) total += *cluster.map_shared_rank(slot, r);
+    return total;
+  }
+#endif
+  return block_total;
+}
+
+template <bool kClustered>
+__device__ __forceinline__ void cluster_barrier(int ranks) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (kClustered && ranks > 1) cooperative_groups::this_cluster().sync();
+#endif
+}
 
 template <typename scalar_t, int V, int K>
 __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_registers_kernel(
@@ -30,13 +66,25 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
     scalar_t* __restrict__ y,            // x's layout
     acc_t<scalar_t>* __restrict__ mean,  // [N, G]
     acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
-    int64_t units, int HxW, int64_t C, int G, int D, bool channels_last, acc_t<scalar_t> eps) {
+    int64_t units, int HxW, int64_t C, int G, int D, bool channels_last, int ranks,
+    acc_t<scalar_t> eps) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
   __shared__ A scratch[kRegistersMaxThreads / kWarp];
-  // The host guarantees L <= blockDim.x * K * V (so L fits an int),
-  // HxW % V == 0 (contiguous) and D % V == 0 (channels-last).
+  __shared__ A cluster_slots[2];  // this CTA's sum and M2, read by its cluster
+  // The host guarantees L <= ranks * blockDim.x * K * V (so L fits an int),
+  // HxW % V == 0 (contiguous) and D % V == 0 (channels-last), and launches
+  // clusters of `ranks` CTAs (one CTA per group when ranks == 1).
+  // CTA `rank` holds vectors rank * blockDim.x + threadIdx.x + k * step.
+  // Only the many-items form runs in clusters: the cluster arithmetic cost the
+  // few-items form registers (40 -> 64 for bfloat16) and the CTAs per SM that
+  // its many small groups need.
+  constexpr bool kClustered = K == kRegistersManyItems;
+  const int clustered_ranks = kClustered ? ranks : 1;
+  const int rank = kClustered ? int(blockIdx.x % clustered_ranks) : 0;
+  const int first = rank * int(blockDim.x) + int(threadIdx.x);
+  const int step = clustered_ranks * int(blockDim.x);
   const int L = D * HxW;
   const int nvec = L / V;
   const int cols = D / V;  // channels-last: vectors in one row of the unit
@@ -48,7 +96,8 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
     return int64_t(r) * C + (i - r * cols) * V;
   };
 
-  for (int64_t unit = blockIdx.x; unit < units; unit += gridDim.x) {
+  for (int64_t unit = blockIdx.x / clustered_ranks; unit < units;
+       unit += gridDim.x / clustered_ranks) {
     const int64_t n = unit / G;
     const int g = int(unit - n * G);
     const int64_t base = channels_last ? n * HxW * C + int64_t(g) * D : unit * L;
@@ -57,14 +106,14 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
     Raw raw[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int i = threadIdx.x + k * blockDim.x;
+      const int i = first + k * step;
       if (i < nvec) raw[k] = *reinterpret_cast<const Raw*>(xs + offset(i));
     }
     // Calls f(value) for every element this thread holds.
     const auto for_each_held = [&](auto f) {
 #pragma unroll
       for (int k = 0; k < K; ++k) {
-        if (threadIdx.x + k * blockDim.x < nvec) {
+        if (first + k * step < nvec) {
           const VecT v = as_vec<VecT>(raw[k]);
 #pragma unroll
           for (int e = 0; e < V; ++e) f(static_cast<A>(v.val[e]));
@@ -75,11 +124,13 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
     const A shift = static_cast<A>(xs[0]);
     A sum = 0;
     for_each_held([&](A value) { sum += value - shift; });
-    const A mu = shift + block_sum(sum, scratch) / A(L);
+    const A mu =
+        shift + cluster_sum<kClustered>(block_sum(sum, scratch), &cluster_slots[0], ranks) / A(L);
     A m2 = 0;
     for_each_held([&](A value) { m2 += (value - mu) * (value - mu); });
-    const A rs = rsqrt(block_sum(m2, scratch) / A(L) + eps);
-    if (threadIdx.x == 0) {
+    const A rs = rsqrt(
+        cluster_sum<kClustered>(block_sum(m2, scratch), &cluster_slots[1], ranks) / A(L) + eps);
+    if (threadIdx.x == 0 && rank == 0) {
       mean[unit] = mu;
       rstd[unit] = rs;
     }
@@ -87,7 +138,7 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
     const int64_t c_first = int64_t(g) * D;  // the group's first channel
 #pragma unroll
     for (int k = 0; k < K; ++k) {
-      const int i = threadIdx.x + k * blockDim.x;
+      const int i = first + k * step;
       if (i >= nvec) continue;
       const VecT v = as_vec<VecT>(raw[k]);
       VecT out;
@@ -104,6 +155,8 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
       }
       store_vec_streaming<scalar_t, V>(y + base + offset(i), out);
     }
+    cluster_barrier<kClustered>(
+        ranks);  // the cluster's slots are read; they may be reused or freed
   }
 }
 
