@@ -459,7 +459,7 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
     ((8, 1280, 8, 8), 32, torch.bfloat16, "channels_last", "registers", 0),  # SD UNet deepest
     ((8, 1280, 8, 8), 32, torch.bfloat16, "contiguous", "registers", 0),
     ((3, 60, 31), 5, torch.float16, "contiguous", "registers", 0),  # odd HxW: single elements
-    ((2, 8, 64, 64), 2, torch.float32, "contiguous", "registers", 0),  # 16 vectors a thread
+    ((2, 8, 64, 64), 2, torch.float32, "contiguous", "registers", 0),  # 8 of 16 vectors a thread
     ((2, 16, 64, 64), 2, torch.float32, "contiguous", "registers", 0),  # 8192 vectors: full
     ((1, 512, 32, 32), 16, torch.float32, "channels_last", "registers", 0),  # full, channels-last
     ((1, 256, 64, 64), 32, torch.float16, "channels_last", "registers", 0),  # 16 vectors a thread
@@ -471,7 +471,7 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
     ((2, 24, 3, 5, 7), 4, torch.bfloat16, "channels_last", "registers", 0),  # channels_last_3d
     # groups shared by a cluster of CTAs (sm_90+; skipped where there are none)
     ((2, 320, 64, 64), 32, torch.float16, "channels_last", "registers", 0),  # 4-byte vectors
-    ((2, 16, 100, 100), 2, torch.float32, "contiguous", "registers", 0),  # ragged last rank
+    ((2, 16, 100, 100), 2, torch.float32, "contiguous", "registers", 0),  # ragged last step
     ((1, 32, 128, 129), 4, torch.bfloat16, "contiguous", "registers", 0),
     ((1, 8, 128, 256), 1, torch.float32, "contiguous", "registers", 0),  # 8 ranks of 512: full
     ((2, 64, 40, 50), 2, torch.float32, "channels_last", "registers", 0),

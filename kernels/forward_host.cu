@@ -124,8 +124,10 @@ int blocks_per_sm(const void* kernel, int device, int threads, size_t smem) {
 }
 
 // Clusters of `ranks` CTAs of `kernel` (with `threads` each) that the device
-// can run at once; 0 when such a cluster cannot be scheduled. Cached: plans
-// ask on every call.
+// can run at once; 0 when such a cluster cannot be scheduled, or when the
+// kernel was built for an architecture without clusters (code for sm_80 runs
+// on an sm_90 card, but its cluster code is compiled out). Cached: plans ask
+// on every call.
 int active_clusters(const void* kernel, int device, int threads, int ranks) {
   static std::mutex lock;
   static std::map<std::tuple<const void*, int, int, int>, int> cache;
@@ -133,6 +135,9 @@ int active_clusters(const void* kernel, int device, int threads, int ranks) {
   const auto key = std::make_tuple(kernel, device, threads, ranks);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  if (attributes.ptxVersion < 90) return cache.emplace(key, 0).first->second;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(ranks));
   config.blockDim = dim3(unsigned(threads));
@@ -557,7 +562,8 @@ bool plan_registers(Plan& p, const Shape& s, int device, const Request& req) {
     const bool schedulable = active_clusters(k, device, threads, int(ranks)) > 0;
     TORCH_CHECK(schedulable || !forced,
                 message("groupnorm: a cluster of ", ranks, " CTAs of ", threads,
-                        " threads cannot be scheduled on this device"));
+                        " threads cannot be scheduled on this device (or the kernels were not "
+                        "built for sm_90 or later)"));
     if (!schedulable) return false;
   }
   p.kernel = Kernel::Registers;

@@ -47,6 +47,10 @@ __device__ __forceinline__ A cluster_sum(A block_total, A* slot, int ranks) {
     for (int r = 0; r < ranks; ++r) total += *cluster.map_shared_rank(slot, r);
     return total;
   }
+#else
+  // Built without clusters: the host never launches ranks > 1 then
+  // (active_clusters), and a launch that did would get a wrong sum here.
+  if (kClustered && ranks > 1) __trap();
 #endif
   return block_total;
 }
