@@ -35,7 +35,8 @@ constexpr int kRegistersMaxRanks = 8;  // CTAs of a cluster (the portable maximu
 // (`block_total`, the same in every thread), added in rank order. `slot` is
 // this CTA's shared variable for it, read by the others; the caller keeps a
 // CTA's slots alive until every CTA of the cluster has read them (a final
-// cluster barrier). Ends with a cluster barrier, which is also a block one.
+// cluster barrier). A cluster barrier, which is also a block one, separates
+// the publishing from the reading.
 template <bool kClustered, typename A>
 __device__ __forceinline__ A cluster_sum(A block_total, A* slot, int ranks) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
