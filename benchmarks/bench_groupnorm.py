@@ -93,9 +93,10 @@ def rotating(fn, inputs):
 WALL_MAX_BYTES = 16 * 2**20
 
 
-def wall_us(fn, calls=300):
+def wall_us(fn, calls=300, warmup=1):
     """Wall-clock time per call of back-to-back calls, best of three rounds."""
-    fn()
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     best = float("inf")
     for _ in range(3):
@@ -118,17 +119,7 @@ def python_overhead_us(calls=20000):
         for name, fn in (("groupnorm_inline.group_norm", lambda: gn.group_norm(x, 8, w, b)),
                          ("groupnorm_inline.groupnorm_cuda", lambda: gn.groupnorm_cuda(x, w, b, 8)),
                          ("F.group_norm", lambda: F.group_norm(x, 8, w, b))):
-            for _ in range(1000):
-                fn()
-            torch.cuda.synchronize()
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    fn()
-                torch.cuda.synchronize()
-                best = min(best, (time.perf_counter() - start) / calls * 1e6)
-            result[name] = best
+            result[name] = wall_us(fn, calls, warmup=1000)
     return result
 
 
