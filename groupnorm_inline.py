@@ -257,11 +257,13 @@ def _cuda_forward(x, gamma, beta, groups, eps):
 
 
 def plan(x, groups, *, kernel="auto", team=0, backward=False):
-    """The kernel groupnorm_cuda would run for x, and why, as one line of text;
-    with backward=True, how the backward would tile x (and a grad_output laid
-    out like it)."""
+    """The kernel groupnorm_cuda would run for x, and why, as one line of text.
+    With backward=True, the backward's kernel and tiling for x (and a
+    grad_output laid out like it, dx wanted); there kernel is "auto",
+    "passes" (four launches) or "stream" (one launch; contiguous input), and
+    team forces the stream kernel's lag in tiles."""
     if backward:
-        return load().backward_plan(x, groups)
+        return load().backward_plan(x, groups, kernel, team)
     return load().plan(x, groups, kernel, team)
 
 
@@ -367,7 +369,8 @@ def _forward_fake(x, weight, bias, groups, eps):
 def _backward_impl(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                    weight: Optional[torch.Tensor], groups: int, need_dx: bool,
                    need_affine: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dweight, dbias = load().backward(dy, x, mean, rstd, weight, groups, need_dx, need_affine)
+    dx, dweight, dbias = load().backward(dy, x, mean, rstd, weight, groups, need_dx, need_affine,
+                                         "auto", 0)
     return dx, dweight, dbias
 
 

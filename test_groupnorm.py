@@ -832,11 +832,34 @@ def weight_for_torch(x, w, b):
     return w, b
 
 
-def check_backward(x, groups, w, b, dy, shift_scale=1.0):
+def forced_gradients(x, groups, w, b, dy, kernel, lag):
+    """(dx, dw, db) from the extension's backward with its kernel forced, dx
+    landing in a poisoned block (unwritten elements show up as NaN)."""
+    ext = gn.load()
+    x, w, b = (t.detach() if t is not None else None for t in (x, w, b))
+    _, mean, rstd = ext.forward(x, w, b, groups, 1e-5, "auto", 0)
+    grads = []
+
+    def run():
+        grads[:] = ext.backward(dy, x, mean, rstd, w, groups, True, True, kernel, lag)
+        return grads[0]
+
+    _, landed = poisoned(run, x)
+    assert landed, "dx did not reuse the poisoned block"
+    dx, dw, db = grads
+    return [dx, dw if w is not None else None, db if b is not None else None]
+
+
+def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0):
+    """Gradients through autograd (kernel "auto") or from the forced backward
+    kernel, against a float64 reference, within torch's own error."""
     x = x.detach().requires_grad_()
     w = w.detach().requires_grad_() if w is not None else None
     b = b.detach().requires_grad_() if b is not None else None
-    ours = gradients(lambda *t: gn.groupnorm_cuda(t[0], t[1], t[2], groups), x, w, b, dy)
+    if kernel == "auto":
+        ours = gradients(lambda *t: gn.groupnorm_cuda(t[0], t[1], t[2], groups), x, w, b, dy)
+    else:
+        ours = forced_gradients(x, groups, w, b, dy, kernel, lag)
     x64 = x.detach().double().requires_grad_()
     w64 = w.detach().double().requires_grad_() if w is not None else None
     b64 = b.detach().double().requires_grad_() if b is not None else None
@@ -908,6 +931,73 @@ def test_gpu_backward_tilings(case):
     assert expected in gn.plan(x, groups, backward=True)
     w, b = affine(shape[1], dtype, "cuda", "both")
     check_backward(x, groups, w, b, make_input(shape, dtype, layout, "cuda"))
+
+
+# The stream backward forced on awkward sizes: one tile per row, rows cut into
+# ragged tiles, scalar and 2-element vectors, G = 1 and G = C, 1-D and 3-D,
+# more tiles than resident CTAs.
+BACKWARD_STREAM_CASES = [
+    ((2, 8, 64, 64), 2, torch.float32),
+    ((3, 12, 50, 70), 3, torch.float32),
+    ((2, 6, 129, 65), 3, torch.float32),  # odd HxW: scalar loads, 5 ragged tiles a row
+    ((2, 64, 48, 48), 1, torch.bfloat16),
+    ((2, 32, 40, 40), 32, torch.float16),
+    ((1, 4, 300, 300), 2, torch.float64),
+    ((2, 16, 1000), 4, torch.float32),
+    ((2, 8, 4, 30, 30), 4, torch.bfloat16),
+    ((8, 64, 128, 128), 8, torch.float32),  # 1024 tiles, more than the resident CTAs
+]
+
+
+@cuda
+@pytest.mark.parametrize("case", BACKWARD_STREAM_CASES,
+                         ids=[f"{shape_id(c[:2])}-{str(c[2])[6:]}" for c in BACKWARD_STREAM_CASES])
+def test_gpu_backward_stream_kernel(case):
+    shape, groups, dtype = case
+    x = make_input(shape, dtype, "contiguous", "cuda")
+    assert gn.plan(x, groups, kernel="stream", backward=True).startswith("stream contiguous")
+    w, b = affine(shape[1], dtype, "cuda", "both")
+    dy = make_input(shape, dtype, "contiguous", "cuda")
+    check_backward(x, groups, w, b, dy, kernel="stream")
+    check_backward(x, groups, None, None, dy, kernel="stream")
+    # the smallest lag (one unit: every dx item waits on the sums just before)
+    # and one past the end (every sums item before any dx item)
+    for lag in (1, 1 << 40):
+        check_backward(x, groups, w, b, dy, kernel="stream", lag=lag)
+
+
+@cuda
+def test_gpu_backward_stream_shifted_inputs():
+    x = make_input((2, 64, 33, 32), torch.float32, "contiguous", "cuda", shift=1000.0)
+    w, b = affine(64, x.dtype, "cuda", "both")
+    check_backward(x, 8, w, b, torch.randn_like(x), shift_scale=100.0, kernel="stream")
+
+
+@cuda
+def test_gpu_backward_plan_takes_stream_for_large_contiguous_input():
+    """Contiguous input at least as large as L2 takes the stream backward
+    through autograd; channels-last input of that size, and smaller input,
+    take the four launches."""
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    n = max(1, -(-l2 // (64 * 128 * 128 * 4)))
+    x = make_input((n, 64, 128, 128), torch.float32, "contiguous", "cuda")
+    assert gn.plan(x, 8, backward=True).startswith("stream contiguous")
+    w, b = affine(64, x.dtype, "cuda", "both")
+    check_backward(x, 8, w, b, torch.randn_like(x))
+    assert gn.plan(x.to(memory_format=torch.channels_last), 8, backward=True).startswith("passes")
+    assert gn.plan(x[:1], 8, backward=True).startswith("passes")
+    assert gn.plan(x, 8, kernel="passes", backward=True).startswith("passes")
+
+
+@cuda
+def test_gpu_backward_kernel_errors_name_the_problem():
+    x = make_input((2, 8, 16, 16), torch.float32, "contiguous", "cuda")
+    with pytest.raises(ValueError, match="kernel must be"):
+        gn.plan(x, 2, kernel="fast", backward=True)
+    with pytest.raises(ValueError, match="stream kernel needs contiguous input"):
+        gn.plan(x.to(memory_format=torch.channels_last), 2, kernel="stream", backward=True)
+    with pytest.raises(ValueError, match="lag must be"):
+        gn.plan(x, 2, kernel="stream", team=-1, backward=True)
 
 
 @cuda

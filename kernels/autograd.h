@@ -39,7 +39,7 @@ class GroupNormFunction : public torch::autograd::Function<GroupNormFunction> {
     std::vector<at::Tensor> g =
         ::backward(grads[0], saved[0], saved[2], saved[3],
                    weight.defined() ? c10::optional<at::Tensor>(weight) : c10::nullopt,
-                   ctx->saved_data["groups"].toInt(), need_dx, need_weight || need_bias);
+                   ctx->saved_data["groups"].toInt(), need_dx, need_weight || need_bias, "auto", 0);
     torch::autograd::variable_list result = {need_dx ? g[0] : at::Tensor(),
                                              need_weight ? g[1] : at::Tensor(),
                                              need_bias ? g[2] : at::Tensor()};

@@ -17,8 +17,11 @@
 // x and dy are read twice and dx written once: 5 passes against the 3-pass
 // floor, so at the copy rate this reaches 60 % of it. Step 4 walks the tiles
 // in reverse, so its first reads hit what step 1 left in L2; inputs that fit
-// in L2 are read from DRAM about once. mean and rstd come from the forward:
-// nothing else is saved. No atomics: results do not depend on timing.
+// in L2 are read from DRAM about once. Contiguous inputs larger than L2 take
+// backward_stream.cu instead, which does steps 1, 2 and 4 in one launch and
+// reads each tile the second time soon after the first. mean and rstd come
+// from the forward: nothing else is saved. No atomics: results do not depend
+// on timing.
 //
 // Tiles (chosen by plan_backward on the host):
 //   contiguous    rows of HxW (one per (sample, channel)); a row of at most
@@ -28,6 +31,8 @@
 //   channels-last per sample, `chunks` runs of `chunk` rows (positions) by
 //                 `cblocks` blocks of up to kBackwardThreads vector columns;
 //                 each thread keeps V channels for its whole run.
+#pragma once
+
 #include <type_traits>
 
 #include "common.cuh"
@@ -339,11 +344,86 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_dx_channe
 // Both layouts.
 // ---------------------------------------------------------------------------
 
-// One CTA per (sample, group). partial pair (n, c, k) is at
-// partial + (n * stride_n + c * stride_c + k * stride_k) * 2. Threads take
-// (channel, chunk-lane) pairs, channel fastest (coalesced for channels-last
-// partials), add their chunks in order, then the chunk-lanes of each channel
-// are added in order: the result does not depend on timing.
+// Where the partial pairs of one launch lie: pair (n, c, k) is at
+// partial + (n * stride_n + c * stride_c + k * stride_k) * 2.
+struct PartialLayout {
+  int64_t chunks, stride_n, stride_c, stride_k;
+};
+
+// The coefficients of one (sample, group) `unit`, with the whole block.
+// Threads take (channel, chunk-lane) pairs, channel fastest (coalesced for
+// channels-last partials), add their chunks in order, then the chunk-lanes of
+// each channel are added in order: the result does not depend on timing.
+// Partials are read through L2 (__ldcg): the stream kernel writes them in the
+// same launch. Writes the per-(sample, channel) affine partials and, unless
+// coef is null, the dx coefficients of every channel of the group.
+template <typename scalar_t>
+__device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // see PartialLayout
+                                  const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+                                  const acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
+                                  const scalar_t* __restrict__ gamma,        // [C] or nullptr
+                                  acc_t<scalar_t>* dgamma_part,              // [N, C] or nullptr
+                                  acc_t<scalar_t>* dbeta_part,               // [N, C] or nullptr
+                                  Coef<acc_t<scalar_t>>* coef,               // [N, C] or nullptr
+                                  int64_t unit, int C, int G, int64_t HxW, PartialLayout at,
+                                  acc_t<scalar_t>* red_dy,   // [kBackwardThreads] shared
+                                  acc_t<scalar_t>* red_dyx,  // [kBackwardThreads] shared
+                                  acc_t<scalar_t>* scratch) {
+  using A = acc_t<scalar_t>;
+  const int D = C / G;
+  const auto weight = [&](int c) { return gamma != nullptr ? static_cast<A>(gamma[c]) : A(1); };
+  const int width = min(D, kBackwardThreads);  // channels per pass
+  const int lanes = kBackwardThreads / width;  // chunk-lanes per channel
+  const int d_in = threadIdx.x % width;
+  const int lane = threadIdx.x / width;
+  const int64_t n = unit / G;
+  const int c0 = int(unit % G) * D;
+  const A mu = mean[unit];
+  const A rs = rstd[unit];
+  const A* base = partial + n * at.stride_n * 2;
+  // sum(g) and sum(g * (x - mu)) over the group: per-thread parts
+  A s1 = 0, s2 = 0;
+  for (int d0 = 0; d0 < D; d0 += width) {
+    A s_dy = 0, s_dyx = 0;
+    if (lane < lanes && d0 + d_in < D) {
+      const A* p = base + int64_t(c0 + d0 + d_in) * at.stride_c * 2;
+#pragma unroll 4
+      for (int64_t k = lane; k < at.chunks; k += lanes) {
+        s_dy += __ldcg(p + k * at.stride_k * 2);
+        s_dyx += __ldcg(p + k * at.stride_k * 2 + 1);
+      }
+    }
+    __syncthreads();  // the tables may still be read from the last pass
+    red_dy[threadIdx.x] = s_dy;
+    red_dyx[threadIdx.x] = s_dyx;
+    __syncthreads();
+    if (threadIdx.x < width && d0 + int(threadIdx.x) < D) {
+      const int c = c0 + d0 + threadIdx.x;
+      A t_dy = 0, t_dyx = 0;
+      for (int l = 0; l < lanes; ++l) {
+        t_dy += red_dy[l * width + threadIdx.x];
+        t_dyx += red_dyx[l * width + threadIdx.x];
+      }
+      if (dgamma_part != nullptr) {
+        dgamma_part[n * C + c] = t_dyx * rs;
+        dbeta_part[n * C + c] = t_dy;
+      }
+      s1 += weight(c) * t_dy;
+      s2 += weight(c) * t_dyx;
+    }
+  }
+  if (coef == nullptr) return;  // the same in every thread
+  s1 = block_sum(s1, scratch);
+  s2 = block_sum(s2, scratch);
+  const A M = A(D) * A(HxW);
+  const A k1 = rs * s1 / M;
+  const A k2 = rs * rs * rs * s2 / M;
+  for (int d = threadIdx.x; d < D; d += blockDim.x) {
+    coef[n * C + c0 + d] = Coef<A>{rs * weight(c0 + d), mu, k1, k2};
+  }
+}
+
+// One CTA per (sample, group), after the sums kernel.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficients_kernel(
     const acc_t<scalar_t>* __restrict__ partial,  // [N * C, chunks, 2] or [N, chunks, C, 2]
@@ -353,62 +433,12 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficie
     acc_t<scalar_t>* __restrict__ dgamma_part,    // [N, C] or nullptr
     acc_t<scalar_t>* __restrict__ dbeta_part,     // [N, C] or nullptr
     Coef<acc_t<scalar_t>>* __restrict__ coef,     // [N, C] or nullptr
-    int64_t N, int C, int G, int64_t HxW, int64_t chunks, int64_t stride_n, int64_t stride_c,
-    int64_t stride_k) {
+    int64_t N, int C, int G, int64_t HxW, PartialLayout at) {
   using A = acc_t<scalar_t>;
   __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[kBackwardWarps];
-  const int D = C / G;
-  const auto weight = [&](int c) { return gamma != nullptr ? static_cast<A>(gamma[c]) : A(1); };
-  const int width = min(D, kBackwardThreads);  // channels per pass
-  const int lanes = kBackwardThreads / width;  // chunk-lanes per channel
-  const int d_in = threadIdx.x % width;
-  const int lane = threadIdx.x / width;
   for (int64_t unit = blockIdx.x; unit < N * G; unit += gridDim.x) {
-    const int64_t n = unit / G;
-    const int c0 = int(unit % G) * D;
-    const A mu = mean[unit];
-    const A rs = rstd[unit];
-    const A* base = partial + n * stride_n * 2;
-    // sum(g) and sum(g * (x - mu)) over the group: per-thread parts
-    A s1 = 0, s2 = 0;
-    for (int d0 = 0; d0 < D; d0 += width) {
-      A s_dy = 0, s_dyx = 0;
-      if (lane < lanes && d0 + d_in < D) {
-        const A* p = base + int64_t(c0 + d0 + d_in) * stride_c * 2;
-#pragma unroll 4
-        for (int64_t k = lane; k < chunks; k += lanes) {
-          s_dy += p[k * stride_k * 2];
-          s_dyx += p[k * stride_k * 2 + 1];
-        }
-      }
-      __syncthreads();  // the tables may still be read from the last pass
-      red_dy[threadIdx.x] = s_dy;
-      red_dyx[threadIdx.x] = s_dyx;
-      __syncthreads();
-      if (threadIdx.x < width && d0 + int(threadIdx.x) < D) {
-        const int c = c0 + d0 + threadIdx.x;
-        A t_dy = 0, t_dyx = 0;
-        for (int l = 0; l < lanes; ++l) {
-          t_dy += red_dy[l * width + threadIdx.x];
-          t_dyx += red_dyx[l * width + threadIdx.x];
-        }
-        if (dgamma_part != nullptr) {
-          dgamma_part[n * C + c] = t_dyx * rs;
-          dbeta_part[n * C + c] = t_dy;
-        }
-        s1 += weight(c) * t_dy;
-        s2 += weight(c) * t_dyx;
-      }
-    }
-    if (coef == nullptr) continue;  // the same in every thread
-    s1 = block_sum(s1, scratch);
-    s2 = block_sum(s2, scratch);
-    const A M = A(D) * A(HxW);
-    const A k1 = rs * s1 / M;
-    const A k2 = rs * rs * rs * s2 / M;
-    for (int d = threadIdx.x; d < D; d += blockDim.x) {
-      coef[n * C + c0 + d] = Coef<A>{rs * weight(c0 + d), mu, k1, k2};
-    }
+    unit_coefficients<scalar_t>(partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, unit, C,
+                                G, HxW, at, red_dy, red_dyx, scratch);
   }
 }
 

@@ -1,8 +1,10 @@
-// Host side of the backward: checks, the tiling (plan_backward, the one place
-// that decides) and the four launches on the current stream.
+// Host side of the backward: checks, the choice between the four-launch
+// backward and the stream kernel with its tiling (plan_backward, the one place
+// that decides), and the launches on the current stream.
 #include <ATen/ops/zeros.h>
 
 #include "backward.cu"
+#include "backward_stream.cu"
 #include "forward_host.cu"
 
 namespace groupnorm {
@@ -17,18 +19,87 @@ constexpr int64_t kMaxChunks = 1024;
 
 struct BackwardPlan {
   bool channels_last = false;
+  bool stream = false;  // one launch (backward_stream.cu) instead of four
   int vec = 1;
   BackwardTiles tiles{};
   int64_t grid = 0;
+  int64_t lag = 0;  // stream: tiles the sums run ahead of dx
+  std::string why;
 };
 
+template <typename scalar_t>
+const void* backward_stream_kernel(int vec) {
+  const void* kernel = nullptr;
+  with_vec<scalar_t, 16>(vec, [&](auto v) {
+    kernel = reinterpret_cast<const void*>(
+        &groupnorm_backward_stream_kernel<scalar_t, decltype(v)::value>);
+  });
+  return kernel;
+}
+
+const void* backward_stream_kernel(c10::ScalarType dtype, int vec) {
+  const void* kernel = nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "groupnorm_backward_plan",
+                                  [&] { kernel = backward_stream_kernel<scalar_t>(vec); });
+  return kernel;
+}
+
+// The stream backward: contiguous rows cut into tiles of at most
+// kStreamBackwardTileVecs vectors, the grid as many CTAs as are resident, and
+// sums `lag` tiles ahead of dx: the larger of one unit's tiles (so that the
+// order is deadlock-free) and the tiles in flight (so that a dx item rarely
+// waits). Measured on an H100 (benchmarks/README.md): a longer lag, such as
+// their sum, leaves L2 less likely to hold a tile at its second read and was
+// up to 5 points of the floor slower; a shorter one makes dx items wait.
+void plan_backward_stream(BackwardPlan& p, const Shape& s, c10::ScalarType dtype, int device,
+                          int64_t lag) {
+  BackwardTiles& t = p.tiles;
+  const DeviceInfo& dev = device_info(device);
+  p.stream = true;
+  t.rows = s.N * s.C;
+  t.row_items = s.HxW / p.vec;
+  t.chunks = (t.row_items + kStreamBackwardTileVecs - 1) / kStreamBackwardTileVecs;
+  t.chunk = (t.row_items + t.chunks - 1) / t.chunks;
+  t.tiles = t.rows * t.chunks;
+  const int64_t resident =
+      int64_t(blocks_per_sm(backward_stream_kernel(dtype, p.vec), device, kBackwardThreads, 0)) *
+      dev.sms;
+  TORCH_CHECK(resident > 0, "groupnorm backward: the stream kernel does not fit on this device");
+  p.grid = std::min({resident, 2 * t.tiles, kMaxGrid});
+  const int64_t unit_tiles = (s.C / s.G) * t.chunks;
+  p.lag = std::min(t.tiles, std::max(unit_tiles, lag > 0 ? lag : std::max(unit_tiles, p.grid)));
+}
+
+// Contiguous input at least as large as L2, with 16-byte vectors and rows of
+// whole tiles or more, takes the stream backward when dx is wanted; smaller
+// inputs are read from L2 the second time anyway (the dx kernel walks the
+// tiles in reverse). kernel: "auto", "passes" (the four launches) or
+// "stream"; lag > 0 forces the stream kernel's lag.
 // addr: the addresses of x and dy OR-ed (both must allow the vector width).
-BackwardPlan plan_backward(const Shape& s, uintptr_t addr, int device) {
+BackwardPlan plan_backward(const Shape& s, c10::ScalarType dtype, uintptr_t addr, int device,
+                           bool need_dx, const std::string& kernel, int64_t lag) {
+  TORCH_CHECK_VALUE(kernel == "auto" || kernel == "passes" || kernel == "stream",
+                    message("groupnorm backward: kernel must be \"auto\", \"passes\" or "
+                            "\"stream\", got \"",
+                            kernel, "\""));
+  TORCH_CHECK_VALUE(lag >= 0, message("groupnorm backward: lag must be >= 0, got ", lag));
+  TORCH_CHECK_VALUE(kernel != "stream" || (!s.channels_last && need_dx),
+                    "groupnorm backward: the stream kernel needs contiguous input and dx wanted");
   BackwardPlan p;
   p.channels_last = s.channels_last;
   BackwardTiles& t = p.tiles;
   const int64_t target = int64_t(device_info(device).sms) * kTilesPerSm;
   if (!s.channels_last) {
+    p.vec = widest_vector(s.elem, addr, {s.HxW});
+    const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
+    const bool auto_stream =
+        kernel == "auto" && need_dx && bytes >= size_t(device_info(device).l2_bytes) &&
+        p.vec * int64_t(s.elem) == 16 && s.HxW / p.vec >= kStreamBackwardTileVecs;
+    if (kernel == "stream" || auto_stream) {
+      plan_backward_stream(p, s, dtype, device, lag);
+      p.why = kernel == "stream" ? "stream requested" : "input at least L2's size";
+      return p;
+    }
     p.vec = widest_vector(s.elem, addr, {s.HxW});
     t.rows = s.N * s.C;
     t.row_items = s.HxW / p.vec;
@@ -65,20 +136,78 @@ BackwardPlan plan_backward(const Shape& s, uintptr_t addr, int device) {
     t.tiles = s.N * t.chunks * t.cblocks;
   }
   p.grid = std::min(t.tiles, kMaxGrid);
+  p.why = kernel == "passes" ? "passes requested" : "the default";
   return p;
 }
 
 std::string describe_backward_plan(const BackwardPlan& p) {
   const BackwardTiles& t = p.tiles;
-  std::string text = std::string(p.channels_last ? "channels_last" : "contiguous") +
+  std::string text = std::string(p.stream ? "stream " : "passes ") +
+                     (p.channels_last ? "channels_last" : "contiguous") +
                      " vec=" + std::to_string(p.vec) + " chunks=" + std::to_string(t.chunks) +
                      " chunk=" + std::to_string(t.chunk) + " tiles=" + std::to_string(t.tiles);
-  if (p.channels_last) {
+  if (p.stream) {
+    text += " grid=" + std::to_string(p.grid) + " lag=" + std::to_string(p.lag);
+  } else if (p.channels_last) {
     text += " cblocks=" + std::to_string(t.cblocks) + " cols=" + std::to_string(t.block_cols);
   } else {
     text += t.warp_rows ? " (a warp per row)" : " (a CTA per chunk)";
   }
-  return text;
+  return text + " (" + p.why + ")";
+}
+
+// The affine kernel: dgamma and dbeta from the per-sample partials.
+template <typename scalar_t>
+void launch_backward_affine(const acc_t<scalar_t>* dgamma_part, const acc_t<scalar_t>* dbeta_part,
+                            scalar_t* dgamma, scalar_t* dbeta, int64_t N, int C,
+                            cudaStream_t stream) {
+  groupnorm_backward_affine_kernel<scalar_t>
+      <<<unsigned((C + 255) / 256), 256, 0, stream>>>(dgamma_part, dbeta_part, dgamma, dbeta, N, C);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// One allocation holds the counters (zeroed), the tile pairs, the
+// coefficients and the affine partials; then the stream kernel and, for
+// dgamma and dbeta, the affine kernel.
+template <typename scalar_t>
+void run_backward_stream(const BackwardPlan& p, const Shape& s, const scalar_t* dy,
+                         const scalar_t* x, const acc_t<scalar_t>* mean,
+                         const acc_t<scalar_t>* rstd, const scalar_t* gamma, scalar_t* dx,
+                         scalar_t* dgamma, scalar_t* dbeta, const at::Tensor& like,
+                         cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const BackwardTiles& t = p.tiles;
+  const int64_t NC = s.N * s.C, units = s.N * s.G;
+  const bool need_affine = dgamma != nullptr;
+  const int64_t counters =
+      (int64_t(sizeof(unsigned long long)) + 2 * units * int64_t(sizeof(int)) + 15) / 16 * 16;
+  const int64_t bytes = counters + int64_t(sizeof(Coef<A>)) * NC +
+                        int64_t(sizeof(A)) * (2 * NC * t.chunks + (need_affine ? 2 * NC : 0));
+  at::Tensor storage = at::empty({bytes}, like.options().dtype(at::kByte));
+  auto* base = storage.data_ptr<uint8_t>();
+  C10_CUDA_CHECK(cudaMemsetAsync(base, 0, counters, stream));
+  StreamWorkspace ws;
+  ws.next = reinterpret_cast<unsigned long long*>(base);
+  ws.arrived = reinterpret_cast<int*>(base + sizeof(unsigned long long));
+  ws.ready = ws.arrived + units;
+  auto* coef = reinterpret_cast<Coef<A>*>(base + counters);
+  A* partial = reinterpret_cast<A*>(coef + NC);
+  A* dgamma_part = need_affine ? partial + 2 * NC * t.chunks : nullptr;
+  A* dbeta_part = need_affine ? dgamma_part + NC : nullptr;
+  const StreamOrder order{t.tiles, p.lag};
+  // L2 priorities on 16-byte loads (evict_last at the first read, evict_first
+  // at the second): 2-11 % faster for float and bfloat16 on an H100
+  // (benchmarks/README.md), unlike the forward stream's 16-bit pieces.
+  const bool l2_hints = p.vec * sizeof(scalar_t) == 16;
+  with_vec<scalar_t, 16>(p.vec, [&](auto v) {
+    groupnorm_backward_stream_kernel<scalar_t, decltype(v)::value>
+        <<<unsigned(p.grid), kBackwardThreads, 0, stream>>>(dy, x, mean, rstd, gamma, partial,
+                                                            dgamma_part, dbeta_part, coef, dx, ws,
+                                                            t, int(s.C), s.G, order, l2_hints);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  if (need_affine)
+    launch_backward_affine<scalar_t>(dgamma_part, dbeta_part, dgamma, dbeta, s.N, int(s.C), stream);
 }
 
 template <typename scalar_t>
@@ -104,6 +233,10 @@ void run_backward(const BackwardPlan& p, const Shape& s, const scalar_t* dy, con
   A* dbeta_part = need_affine ? dgamma_part + NC : nullptr;
 
   const unsigned grid = unsigned(p.grid);
+  if (p.stream) {
+    run_backward_stream<scalar_t>(p, s, dy, x, mean, rstd, gamma, dx, dgamma, dbeta, like, stream);
+    return;
+  }
   with_vec<scalar_t, 16>(p.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
     if (p.channels_last) {
@@ -115,19 +248,14 @@ void run_backward(const BackwardPlan& p, const Shape& s, const scalar_t* dy, con
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  const int64_t stride_n = s.C * t.chunks;
-  const int64_t stride_c = p.channels_last ? 1 : t.chunks;
-  const int64_t stride_k = p.channels_last ? s.C : 1;
+  const PartialLayout at{t.chunks, s.C * t.chunks, p.channels_last ? 1 : t.chunks,
+                         p.channels_last ? s.C : 1};
   groupnorm_backward_coefficients_kernel<scalar_t>
       <<<unsigned(std::min(s.N * G, kMaxGrid)), kBackwardThreads, 0, stream>>>(
-          partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, s.N, C, G, s.HxW, t.chunks,
-          stride_n, stride_c, stride_k);
+          partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, s.N, C, G, s.HxW, at);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (need_affine) {
-    groupnorm_backward_affine_kernel<scalar_t><<<unsigned((C + 255) / 256), 256, 0, stream>>>(
-        dgamma_part, dbeta_part, dgamma, dbeta, s.N, C);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  if (need_affine)
+    launch_backward_affine<scalar_t>(dgamma_part, dbeta_part, dgamma, dbeta, s.N, C, stream);
   if (dx == nullptr) return;
   with_vec<scalar_t, 16>(p.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
@@ -149,7 +277,8 @@ void run_backward(const BackwardPlan& p, const Shape& s, const scalar_t* dy, con
 // layout first.
 std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
                                  const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
-                                 int64_t groups, bool need_dx, bool need_affine) {
+                                 int64_t groups, bool need_dx, bool need_affine,
+                                 const std::string& kernel, int64_t lag) {
   using namespace groupnorm;
   Checked c = check_inputs(x, weight, c10::nullopt, groups, 0.0);
   const c10::cuda::CUDAGuard guard(x.device());
@@ -186,8 +315,9 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
   }
   if (x.numel() == 0) return {dx, dgamma, dbeta};
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
-  const BackwardPlan p = plan_backward(
-      c.shape, c.shape.x_addr | reinterpret_cast<uintptr_t>(dyk.data_ptr()), x.device().index());
+  const BackwardPlan p = plan_backward(c.shape, x.scalar_type(),
+                                       c.shape.x_addr | reinterpret_cast<uintptr_t>(dyk.data_ptr()),
+                                       x.device().index(), need_dx, kernel, lag);
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, x.scalar_type(), "groupnorm_backward", [&] {
         using A = acc_t<scalar_t>;
@@ -201,12 +331,14 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
   return {dx, dgamma, dbeta};
 }
 
-// The tiling backward() would use for an input like x (grad_output laid out
-// and aligned as x), as text.
-std::string backward_plan(const at::Tensor& x, int64_t groups) {
+// The kernel and tiling backward() would use for an input like x (grad_output
+// laid out and aligned as x, dx wanted), as text.
+std::string backward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
+                          int64_t lag) {
   using namespace groupnorm;
   Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
   if (x.numel() == 0) return "empty input: no launch";
   const c10::cuda::CUDAGuard guard(x.device());
-  return describe_backward_plan(plan_backward(c.shape, c.shape.x_addr, x.device().index()));
+  return describe_backward_plan(plan_backward(c.shape, x.scalar_type(), c.shape.x_addr,
+                                              x.device().index(), true, kernel, lag));
 }

@@ -43,6 +43,7 @@
 #pragma once
 
 #include "common.cuh"
+#include "stream_order.cuh"
 
 namespace groupnorm {
 
@@ -64,56 +65,6 @@ template <int V>
 constexpr int stream_blocks_per_sm() {
   return V >= 8 ? 4 : 3;
 }
-
-// One vector load with an L2 eviction priority: evict_last for the first
-// read of a piece (L2 should still hold it at the second), evict_first for
-// the second. Hints need sm_80 and 16-byte vectors; other loads are plain.
-template <typename VecT>
-__device__ __forceinline__ VecT load_with_l2_priority(const VecT* p, bool keep) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  if constexpr (sizeof(VecT) == 16) {
-    uint64_t policy;
-    if (keep) {
-      asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
-    } else {
-      asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-    }
-    VecT v;
-    uint32_t* r = reinterpret_cast<uint32_t*>(&v);
-    asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "l"(p), "l"(policy));
-    return v;
-  }
-#endif
-  return *p;
-}
-
-struct StreamWorkspace {
-  unsigned long long* next;  // [1]     next ticket to hand out
-  int* arrived;              // [units] statistics items finished
-  int* ready;                // [units] 1 once the unit's mean and rstd are written
-};
-
-// Ticket -> item in the order above. total: pieces in all units.
-struct StreamOrder {
-  int64_t total, lag;
-  // True for a statistics item; `piece` is the global piece index.
-  __device__ __forceinline__ bool item(int64_t t, int64_t& piece) const {
-    if (t < lag) {
-      piece = t;
-      return true;
-    }
-    const int64_t r = t - lag;
-    const int64_t paired = total - lag;  // statistics items after the first `lag`
-    if (r < 2 * paired) {
-      piece = (r & 1) == 0 ? lag + r / 2 : r / 2;
-      return (r & 1) == 0;
-    }
-    piece = paired + (r - 2 * paired);
-    return false;
-  }
-};
 
 // Whether the 16-byte loads of a piece carry L2 eviction priorities
 // (load_with_l2_priority). Measured on an H200 (benchmarks/README.md): 1-4 %

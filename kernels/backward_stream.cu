@@ -1,0 +1,148 @@
+// GroupNorm backward for contiguous (N, C, *) input in one launch that reads
+// x and dy from DRAM about once, for inputs larger than L2.
+//
+// The four-launch backward (backward.cu) reads x and dy twice: 5 passes over
+// the input's size against the 3-pass floor (read x and dy, write dx), so at
+// most 60 % of it. Here the two reads of a tile come close together, in the
+// ticket order of stream_order.cuh:
+//   first read  (sums)  the tile's sum(dy) and sum(dy * (x - mean)) -> its
+//                       partial pair; the CTA whose tile completes the unit
+//                       (sample, group) adds the unit's pairs in order and
+//                       writes the unit's dx coefficients and affine
+//                       partials (unit_coefficients), then raises its flag;
+//   second read (dx)    `lag` tiles later, while L2 should still hold the
+//                       tile: loads x and dy, waits for the unit's flag
+//                       (rarely: the lag covers a unit and the items in
+//                       flight), writes dx.
+// A tile is `chunk` vectors of one channel row (a row is cut into `chunks`
+// tiles), kStreamBackwardItems vectors of x and of dy per thread, held in
+// registers between the loads and their use. dgamma and dbeta are added over
+// the samples by the affine kernel afterwards, as in the four-launch path.
+// Extra memory: the pair of every tile, the coefficients of every channel and
+// two counters per unit, as the four-launch path (no ring: a sums item never
+// waits).
+#pragma once
+
+#include "backward.cu"
+#include "stream_order.cuh"
+
+namespace groupnorm {
+
+// 8 vectors of x and 8 of dy per thread (2048-vector tiles, 32 KiB of each
+// input with 16-byte vectors) at two CTAs per SM, 128 registers without
+// spills. Measured on an H100 against 4 vectors at three CTAs per SM and 6 at
+// three (benchmarks/README.md): 2-6 points of the floor better on every suite
+// shape but KernelBench L1-35 (1 point worse).
+constexpr int kStreamBackwardItems = 8;
+constexpr int kStreamBackwardTileVecs = kBackwardThreads * kStreamBackwardItems;
+constexpr int kStreamBackwardBlocksPerSm = 2;
+
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
+    groupnorm_backward_stream_kernel(const scalar_t* __restrict__ dy,           // [N * C, HxW]
+                                     const scalar_t* __restrict__ x,            // [N * C, HxW]
+                                     const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+                                     const acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
+                                     const scalar_t* __restrict__ gamma,        // [C] or nullptr
+                                     acc_t<scalar_t>* partial,      // [N * C, chunks, 2]
+                                     acc_t<scalar_t>* dgamma_part,  // [N, C] or nullptr
+                                     acc_t<scalar_t>* dbeta_part,   // [N, C] or nullptr
+                                     Coef<acc_t<scalar_t>>* coef,   // [N, C]
+                                     scalar_t* __restrict__ dx,     // [N * C, HxW]
+                                     StreamWorkspace ws, BackwardTiles t, int C, int G,
+                                     StreamOrder order, bool l2_hints) {
+  using A = acc_t<scalar_t>;
+  using VecT = Vec<scalar_t, V>;
+  // 16-bit elements stay packed in words until used (see for_each_pair).
+  using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
+  __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[kBackwardWarps];
+  __shared__ long long ticket[2];  // the current and the next item
+  __shared__ Coef<A> row_coef;
+  __shared__ bool completes_unit;
+  const int tid = threadIdx.x;
+  const int D = C / G;
+  const int unit_tiles = D * int(t.chunks);
+  const int64_t tickets = 2 * order.total;
+  const PartialLayout at{t.chunks, C * t.chunks, t.chunks, 1};
+
+  if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
+  __syncthreads();
+  for (int cur = 0;; cur ^= 1) {
+    const int64_t tk = ticket[cur];
+    if (tk >= tickets) break;
+    // The next ticket's latency hides behind this item; it is read after
+    // this item's last barrier.
+    if (tid == 0) ticket[cur ^ 1] = (long long)atomicAdd(ws.next, 1ull);
+    int64_t b;
+    const bool sums = order.item(tk, b);
+    const int64_t row = b / t.chunks;  // n * C + c
+    const int64_t unit = row / D;      // n * G + c / D
+    const int64_t begin = (b % t.chunks) * t.chunk;
+    const int64_t count = min(t.chunk, t.row_items - begin);
+    const int64_t offset = row * t.row_items * V + begin * V;
+    const Raw* dys = reinterpret_cast<const Raw*>(dy + offset);
+    const Raw* xs = reinterpret_cast<const Raw*>(x + offset);
+    Raw g[kStreamBackwardItems], v[kStreamBackwardItems];
+#pragma unroll
+    for (int u = 0; u < kStreamBackwardItems; ++u) {
+      const int64_t i = int64_t(u) * kBackwardThreads + tid;
+      if (i < count) {
+        g[u] = l2_hints ? load_with_l2_priority(dys + i, sums) : dys[i];
+        v[u] = l2_hints ? load_with_l2_priority(xs + i, sums) : xs[i];
+      }
+    }
+    if (sums) {
+      const A mu = mean[unit];
+      A s_dy = 0, s_dyx = 0;
+#pragma unroll
+      for (int u = 0; u < kStreamBackwardItems; ++u) {
+        if (int64_t(u) * kBackwardThreads + tid < count) {
+          const VecT gv = as_vec<VecT>(g[u]), xv = as_vec<VecT>(v[u]);
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            const A d = static_cast<A>(gv.val[e]);
+            s_dy += d;
+            s_dyx += d * (static_cast<A>(xv.val[e]) - mu);
+          }
+        }
+      }
+      s_dy = block_sum(s_dy, scratch);
+      s_dyx = block_sum(s_dyx, scratch);
+      if (tid == 0) {
+        store_pair(partial + b * 2, s_dy, s_dyx);
+        __threadfence();  // the pair is visible before the arrival counts
+        completes_unit = atomicAdd(&ws.arrived[unit], 1) == unit_tiles - 1;
+        if (completes_unit) __threadfence();  // and every other tile's pair to us
+      }
+      __syncthreads();
+      if (completes_unit) {
+        unit_coefficients<scalar_t>(partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, unit,
+                                    C, G, t.row_items * V, at, red_dy, red_dyx, scratch);
+        __threadfence();  // each writer's coefficients are visible before the flag
+        __syncthreads();
+        if (tid == 0) store_release(&ws.ready[unit], 1);
+      }
+    } else {
+      // The loads above are in flight while thread 0 waits for the unit.
+      if (tid == 0) {
+        while (load_acquire(&ws.ready[unit]) == 0) __nanosleep(64);
+        const Coef<A>* k = coef + row;
+        row_coef = Coef<A>{__ldcg(&k->alpha), __ldcg(&k->mu), __ldcg(&k->k1), __ldcg(&k->k2)};
+      }
+      __syncthreads();
+      const Coef<A> k = row_coef;
+      scalar_t* out = dx + offset;
+#pragma unroll
+      for (int u = 0; u < kStreamBackwardItems; ++u) {
+        const int64_t i = int64_t(u) * kBackwardThreads + tid;
+        if (i < count) {
+          store_vec_streaming<scalar_t, V>(
+              out + i * V, dx_of<scalar_t, V>(as_vec<VecT>(g[u]), as_vec<VecT>(v[u]), &k, 0));
+        }
+      }
+    }
+    __syncthreads();  // the next ticket is visible; shared values may be reused
+  }
+}
+
+}  // namespace groupnorm
