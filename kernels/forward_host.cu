@@ -373,13 +373,18 @@ constexpr int64_t kStreamMinPieces = 8;
 
 // One launch for units of `pieces` pieces of `piece_bytes` each: statistics
 // `lag` pieces ahead of the normalisation (forward_stream.cu). The lag covers
-// one unit, so that every statistics item of a unit comes before its
-// normalise items, plus the larger of one piece per resident CTA (the items
-// in flight) and a quarter of L2 (measured best on an H200 between 1/8 and
-// 1/2 of it: benchmarks/README.md); L2 still holds a piece when it is read
-// again. The caller sets the kernel, threads, slice and shared memory.
-void plan_stream(Plan& p, const void* kernel, int64_t pieces, int64_t piece_bytes, int device,
-                 const Request& req) {
+// at least one unit, so that every statistics item of a unit comes before its
+// normalise items, and the items in flight (one piece per resident CTA), so
+// that a normalise item rarely waits; beyond that, a longer lag leaves L2
+// less likely to hold a piece at its second read. Measured best
+// (benchmarks/README.md): for contiguous pieces on an H100, the larger of a
+// unit and the resident CTAs plus a quarter of the latter (the sum of the
+// two, or a quarter of L2 more, was up to 2 points of the floor slower on
+// KernelBench L1-35); for channels-last rows (`rows`) on an H200, a unit plus
+// the larger of the resident CTAs and a quarter of L2. The caller sets the
+// kernel, threads, slice and shared memory.
+void plan_stream(Plan& p, const void* kernel, int64_t pieces, int64_t piece_bytes, bool rows,
+                 int device, const Request& req) {
   const DeviceInfo& dev = device_info(device);
   const int64_t total = p.units * pieces;
   p.team = int(pieces);
@@ -388,8 +393,10 @@ void plan_stream(Plan& p, const void* kernel, int64_t pieces, int64_t piece_byte
   TORCH_CHECK(resident > 0, "groupnorm: the stream kernel does not fit on this device");
   p.grid = std::min({resident, 2 * total, kMaxGrid});
   const int64_t l2_pieces = int64_t(dev.l2_bytes) / 4 / piece_bytes;
-  // lag >= pieces keeps the ticket order deadlock-free (forward_stream.cu).
-  const int64_t lag = req.team > 0 ? req.team : pieces + std::max(resident, l2_pieces);
+  const int64_t lag = req.team > 0 ? req.team
+                      : rows       ? pieces + std::max(resident, l2_pieces)
+                                   : std::max(pieces, resident) + resident / 4;
+  // lag >= pieces keeps the ticket order deadlock-free (stream_order.cuh).
   p.lag = std::min(total, std::max(pieces, lag));
   // Units between the normalising and the statistics front, and one more.
   p.slots = std::min(p.units, (p.lag + 2 * p.grid + pieces - 1) / pieces + 1);
@@ -442,7 +449,7 @@ bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Reques
   p.slice = rows_per_piece;
   p.smem = stream_rows_shared_bytes(rows_per_step, int(cols), s.G, acc);
   p.chunk = std::max<int64_t>(1, kChunkPartials / s.G);
-  plan_stream(p, kernel, pieces, piece_bytes, device, req);
+  plan_stream(p, kernel, pieces, piece_bytes, true, device, req);
   p.why = forced ? (req.team > 0 ? "stream requested, lag forced" : "stream requested")
                  : "input at least L2's size";
   return true;
@@ -620,12 +627,10 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
     p.threads =
         int(std::clamp<int64_t>((items + kWarp - 1) / kWarp * kWarp, kWarp, kContiguousThreads));
     const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
-    int64_t piece_vecs = 0;
+    const int64_t piece_vecs = kStreamPieceVecs;
     const void* stream_k = nullptr;
-    with_vec<scalar_t, kContiguousVecBytes>(p.vec, [&](auto v) {
-      piece_vecs = stream_piece_vecs<decltype(v)::value>();
-      stream_k = stream_kernel<scalar_t, decltype(v)::value>();
-    });
+    with_vec<scalar_t, kContiguousVecBytes>(
+        p.vec, [&](auto v) { stream_k = stream_kernel<scalar_t, decltype(v)::value>(); });
     const bool auto_stream = req.kernel == "auto" && req.team == 0 &&
                              bytes >= size_t(device_info(device).l2_bytes) &&
                              items >= kStreamMinPieces * piece_vecs;
@@ -635,7 +640,7 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
       p.slice = piece_vecs;
       p.smem = 0;
       plan_stream(p, stream_k, (items + piece_vecs - 1) / piece_vecs,
-                  piece_vecs * int64_t(p.vec * s.elem), device, req);
+                  piece_vecs * int64_t(p.vec * s.elem), false, device, req);
       p.why = auto_stream    ? "input at least L2's size"
               : req.team > 0 ? "stream requested, lag forced"
                              : "stream requested";

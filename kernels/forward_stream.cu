@@ -2,7 +2,7 @@
 // from DRAM about once, for groups too large to keep on chip (KernelBench
 // L1-35: 896 groups of 8 MiB).
 //
-// Every unit (sample, group) is cut into pieces of stream_piece_vecs vectors.
+// Every unit (sample, group) is cut into pieces of kStreamPieceVecs vectors.
 // Each piece is visited twice: a statistics item (exact centred mean and M2
 // of the piece) and, later, a normalise item. CTAs claim items from one
 // ticket counter in a fixed order in which the statistics run `lag` pieces
@@ -48,35 +48,18 @@
 namespace groupnorm {
 
 constexpr int kStreamThreads = 256;
-// Vectors per thread per piece, held in registers: 8, or 4 for 8-element
-// vectors (half, bfloat16), whose float conversions would double the
-// registers and halve the CTAs per SM.
-template <int V>
-constexpr int stream_items() {
-  return V >= 8 ? 4 : 8;
-}
-template <int V>
-constexpr int stream_piece_vecs() {
-  return kStreamThreads * stream_items<V>();
-}
-// CTAs per SM the register budget is sized for (measured on an H200:
-// benchmarks/README.md).
-template <int V>
-constexpr int stream_blocks_per_sm() {
-  return V >= 8 ? 4 : 3;
-}
-
-// Whether the 16-byte loads of a piece carry L2 eviction priorities
-// (load_with_l2_priority). Measured on an H200 (benchmarks/README.md): 1-4 %
-// faster with 4-element vectors (float), about 10 % slower with 8-element
-// ones (half, bfloat16), whose pieces are half as large.
-template <int V>
-constexpr bool stream_l2_hints() {
-  return V < 8;
-}
+// Vectors per thread per piece, held in registers (16-bit elements packed as
+// words until used), at three CTAs per SM without spills: 2048-vector
+// pieces, 32 KiB with 16-byte vectors. Measured on an H100
+// (benchmarks/README.md): for half and bfloat16, 8 vectors with L2 priorities
+// on every load were 9-12 points of the floor faster than the 4 unhinted
+// vectors at four CTAs per SM measured best on an H200 before the words.
+constexpr int kStreamItems = 8;
+constexpr int kStreamPieceVecs = kStreamThreads * kStreamItems;
+constexpr int kStreamBlocksPerSm = 3;
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm<V>())
+__global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
     groupnorm_stream_kernel(const scalar_t* __restrict__ x,         // [units, L]
                             const scalar_t* __restrict__ gamma,     // [C] or nullptr
                             const scalar_t* __restrict__ beta,      // [C] or nullptr
@@ -89,8 +72,11 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm<V>())
                             bool fast_div, acc_t<scalar_t> eps) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
-  constexpr int kItems = stream_items<V>();
-  constexpr int kPieceVecs = stream_piece_vecs<V>();
+  // 16-bit elements stay packed in words until used: unpacked, 8-element
+  // vectors take twice the registers.
+  using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
+  constexpr int kItems = kStreamItems;
+  constexpr int kPieceVecs = kStreamPieceVecs;
   __shared__ A scratch[3 * kStreamThreads / kWarp];
   __shared__ long long ticket[2];  // the current and the next item
   __shared__ A unit_mean, unit_rstd;
@@ -113,12 +99,13 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm<V>())
     const int64_t begin = (b % pieces) * kPieceVecs;
     const int64_t count = min(int64_t(kPieceVecs), nvec_unit - begin);
     const VecT* xs = reinterpret_cast<const VecT*>(x + unit * L) + begin;
-    VecT v[kItems];
+    const Raw* xr = reinterpret_cast<const Raw*>(xs);
+    Raw v[kItems];
 #pragma unroll
     for (int u = 0; u < kItems; ++u) {
       const int64_t i = int64_t(u) * kStreamThreads + tid;
       if (i < count) {
-        v[u] = stream_l2_hints<V>() ? load_with_l2_priority(xs + i, stats) : xs[i];
+        v[u] = load_with_l2_priority(xr + i, stats);
       }
     }
     // Whether this unit's ring slot is free, asked while the loads fly.
@@ -134,7 +121,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm<V>())
       for (int u = 0; u < kItems; ++u) {
         if (int64_t(u) * kStreamThreads + tid < count) {
 #pragma unroll
-          for (int e = 0; e < V; ++e) sum += static_cast<A>(v[u].val[e]) - shift;
+          for (int e = 0; e < V; ++e) sum += static_cast<A>(as_vec<VecT>(v[u]).val[e]) - shift;
         }
       }
       const A n_piece = A(count * V);
@@ -145,7 +132,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm<V>())
         if (int64_t(u) * kStreamThreads + tid < count) {
 #pragma unroll
           for (int e = 0; e < V; ++e) {
-            const A d = static_cast<A>(v[u].val[e]) - piece_mean;
+            const A d = static_cast<A>(as_vec<VecT>(v[u]).val[e]) - piece_mean;
             m2 += d * d;
           }
         }
@@ -196,7 +183,7 @@ __global__ void __launch_bounds__(kStreamThreads, stream_blocks_per_sm<V>())
           const int64_t c = c0 + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
           store_vec_streaming<scalar_t, V>(
               reinterpret_cast<scalar_t*>(ys + i),
-              normalise_vec(v[u], mu, channel_affine(c, rs, gamma, beta)));
+              normalise_vec(as_vec<VecT>(v[u]), mu, channel_affine(c, rs, gamma, beta)));
         }
       }
     }

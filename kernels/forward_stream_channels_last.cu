@@ -36,6 +36,22 @@
 
 namespace groupnorm {
 
+// Rows per thread per piece, held in registers: 8, or 4 for 8-element
+// vectors (half, bfloat16), whose float conversions would double the
+// registers and halve the CTAs per SM.
+template <int V>
+constexpr int stream_items() {
+  return V >= 8 ? 4 : 8;
+}
+// Whether the 16-byte loads of a piece carry L2 eviction priorities
+// (load_with_l2_priority). Measured on an H200 (benchmarks/README.md): 1-4 %
+// faster with 4-element vectors (float), about 10 % slower with 8-element
+// ones (half, bfloat16), whose pieces are half as large.
+template <int V>
+constexpr bool stream_l2_hints() {
+  return V < 8;
+}
+
 // Partials a chunk merge reads: few enough that one CTA merges them in a
 // couple of load round trips (eight threads a group for 32 groups).
 constexpr int kChunkPartials = 1024;
