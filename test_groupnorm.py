@@ -494,6 +494,9 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
     ((2, 21, 17, 19), 3, torch.float32, "channels_last", "stream", 0),  # single elements
     ((2, 32, 40, 40), 32, torch.float16, "channels_last", "stream", 0),  # one channel per group
     ((3, 40, 1000), 8, torch.float32, "channels_last", "stream", 0),  # (N, C, L), C innermost
+    ((2, 512, 33, 35), 32, torch.bfloat16, "channels_last", "stream", 0),  # 8 blocks of 4 groups
+    ((3, 384, 20, 21), 6, torch.float32, "channels_last", "stream", 1),  # 6 blocks, shortest lag
+    ((1, 256, 45, 47), 16, torch.float16, "channels_last", "stream", 10**9),  # one sample, 4 blocks
 ]
 
 
@@ -512,7 +515,8 @@ def test_gpu_forced_paths(case):
     assert text.startswith(kernel), text
     if kernel == "stream":  # team is the lag, kept between pieces per unit and all pieces
         pieces = int(text.split(" pieces=")[1].split()[0])
-        units = x.shape[0] if layout == "channels_last" else x.shape[0] * groups
+        blocks = int(text.split(" blocks=")[1].split()[0]) if " blocks=" in text else 1
+        units = x.shape[0] * (blocks if layout == "channels_last" else groups)
         total = units * pieces
         lag = int(text.split(" lag=")[1].split()[0])
         assert lag == min(total, max(pieces, team)) if team else pieces <= lag <= total, text
@@ -603,7 +607,12 @@ def test_gpu_plan_chooses_row_stream_for_large_channels_last():
     one_sample = torch.empty(1, 512, 256, 256, device="cuda", dtype=torch.bfloat16)
     one_sample = one_sample.contiguous(memory_format=torch.channels_last)
     assert one_sample.numel() * 2 >= l2
-    assert gn.plan(one_sample, 32).startswith("channels_last"), gn.plan(one_sample, 32)
+    # one sample cut into blocks of groups: units small enough to stream
+    text = gn.plan(one_sample, 32)
+    assert text.startswith("stream channels_last") and " blocks=8 " in text, text
+    single_unit = torch.empty(1, 64, 1024, 1024, device="cuda", dtype=torch.bfloat16)
+    single_unit = single_unit.contiguous(memory_format=torch.channels_last)  # rows of 128 B
+    assert gn.plan(single_unit, 4).startswith("channels_last"), gn.plan(single_unit, 4)
 
 
 @cuda

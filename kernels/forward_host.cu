@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <string>
@@ -177,8 +178,8 @@ struct Plan {
   int vec = 1;       // elements per access
   int64_t kept = 0;  // items of the slice held on chip (all: one DRAM read of x)
   int threads = kReferenceThreads;
-  int rows_per_step = 1;       // channels-last: rows in flight per sweep step
-  int blocks = 1;              // channels-last team kernel: units (channel blocks) per sample
+  int rows_per_step = 1;  // channels-last: rows in flight per sweep step
+  int blocks = 1;  // channels-last team and stream kernels: units (channel blocks) per sample
   bool channels_last = false;  // registers kernel: x is (N, HxW, C)
   int items = 0;               // registers kernel: vectors a thread can hold (K)
   int ranks = 1;               // registers kernel: CTAs per group (a cluster when > 1)
@@ -407,24 +408,52 @@ void plan_stream(Plan& p, const void* kernel, int64_t pieces, int64_t piece_byte
 // merges outweigh the gain, and the team kernel keeps them.
 constexpr int64_t kMaxPartialShare = 16;
 
-// Channels-last input at least as large as L2, of two samples or more, with
-// samples of kStreamMinPieces pieces or more and few enough groups, takes the
-// stream kernel over rows (forward_stream_channels_last.cu); `kernel="stream"`
-// forces it for any shape whose row fits one block. A single sample stays
-// with the team kernel: its statistics need the whole input before any
-// normalisation, so the stream would read all of it twice, while the team
-// kernel keeps part of it on chip (measured on an H200: benchmarks/README.md).
+// The least bytes of a row that a block of whole channels-last groups keeps
+// (the team kernel's and the stream kernel's units), so that its reads stay
+// coalesced. 128 bytes, measured on an H100 against 64 and 256 for the team
+// kernel (run P): 1x128x512x512 bf16 0.116 ms against 0.161 and 0.128 (0.142
+// uncut), 2x320x64x64 f16 0.028 against 0.025 and 0.036 (0.029 uncut).
+constexpr int64_t kMinBlockRowBytes = 128;
+
+// The most blocks of whole groups a channels-last row can be cut into with
+// at least kMinBlockRowBytes each, stopping once the input holds max_units
+// units (sample, block).
+int group_blocks(const Shape& s, int64_t max_units) {
+  int blocks = 1;
+  for (int b = 2; b <= s.G && s.N * blocks < max_units; ++b) {
+    if (s.G % b != 0) continue;
+    if ((s.C / b) * int64_t(s.elem) < kMinBlockRowBytes) break;
+    blocks = b;
+  }
+  return blocks;
+}
+
+// Channels-last input at least as large as L2, with 16-byte vectors, units
+// (sample, block of groups) of kStreamMinPieces pieces or more and few enough
+// groups takes the stream kernel over rows (forward_stream_channels_last.cu);
+// `kernel="stream"` forces it for any shape whose unit's row fits one block.
+// Blocks: as many as the groups allow with rows of at least
+// kMinBlockRowBytes, the smallest units that still read whole 128-byte lines.
+// Measured on an H100 (benchmarks/README.md, run U): 38-56 % of the floor
+// without blocks, 44-62 % with them on the suite's shapes and others. A
+// single sample needs at least two units, each at most a quarter of L2: with
+// larger ones (1x128x512x512 bf16, two 32 MiB units) the stream read most of
+// it twice and the team kernel, which keeps part of it on chip, was faster
+// (38 against 36 %). Narrower vectors were twice as slow as the team kernel.
 // Returns whether p is set.
 template <typename scalar_t>
 bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Request& req) {
   const bool forced = req.kernel == "stream";
   if (!s.channels_last || !(forced || (req.kernel == "auto" && req.team == 0))) return false;
+  const int blocks = group_blocks(s, std::numeric_limits<int64_t>::max());
+  const int64_t unit_C = s.C / blocks;
+  const int G = s.G / blocks;  // per unit
   // V divides C / G: a thread's channels lie in one group.
   const int v = widest_vector(s.elem, s.x_addr, {s.C, s.C / s.G}, kContiguousVecBytes);
-  const int64_t cols = s.C / v;
+  const int64_t cols = unit_C / v;
   TORCH_CHECK_VALUE(!forced || cols <= kStreamThreads,
-                    message("groupnorm: the stream kernel for channels-last input needs C / ", v,
-                            " <= ", kStreamThreads, ", got C = ", s.C));
+                    message("groupnorm: the stream kernel for channels-last input needs C / ",
+                            blocks * v, " <= ", kStreamThreads, ", got C = ", s.C));
   if (cols > kStreamThreads) return false;
   const size_t acc = sizeof(acc_t<scalar_t>);
   const int rows_per_step = int(kStreamThreads / cols);
@@ -435,20 +464,24 @@ bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Reques
     kernel = stream_channels_last_kernel<scalar_t, decltype(vv)::value>();
   });
   const int64_t pieces = (s.HxW + rows_per_piece - 1) / rows_per_piece;
-  const int64_t piece_bytes = rows_per_piece * s.C * int64_t(s.elem);
+  const int64_t piece_bytes = rows_per_piece * unit_C * int64_t(s.elem);
   const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
-  const bool chosen = forced || (bytes >= size_t(device_info(device).l2_bytes) && s.N >= 2 &&
-                                 pieces >= kStreamMinPieces &&
-                                 2 * s.G * int64_t(acc) * kMaxPartialShare <= piece_bytes);
+  const size_t l2 = size_t(device_info(device).l2_bytes);
+  const size_t unit_bytes = bytes / size_t(s.N * blocks);
+  const bool chosen =
+      forced || (bytes >= l2 && s.N * blocks >= 2 && (s.N >= 2 || unit_bytes <= l2 / 4) &&
+                 v * int64_t(s.elem) == 16 && pieces >= kStreamMinPieces &&
+                 2 * G * int64_t(acc) * kMaxPartialShare <= piece_bytes);
   if (!chosen) return false;
   p.kernel = Kernel::StreamChannelsLast;
   p.vec = v;
-  p.units = s.N;
+  p.blocks = blocks;
+  p.units = s.N * blocks;
   p.rows_per_step = rows_per_step;
   p.threads = int((cols * rows_per_step + kWarp - 1) / kWarp * kWarp);
   p.slice = rows_per_piece;
-  p.smem = stream_rows_shared_bytes(rows_per_step, int(cols), s.G, acc);
-  p.chunk = std::max<int64_t>(1, kChunkPartials / s.G);
+  p.smem = stream_rows_shared_bytes(rows_per_step, int(cols), G, acc);
+  p.chunk = std::max<int64_t>(1, kChunkPartials / G);
   plan_stream(p, kernel, pieces, piece_bytes, true, device, req);
   p.why = forced ? (req.team > 0 ? "stream requested, lag forced" : "stream requested")
                  : "input at least L2's size";
@@ -462,19 +495,8 @@ bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Reques
 // kernel on the same bytes: benchmarks/README.md, run O; those shapes now take
 // the registers kernel). A block's row keeps at least kMinBlockRowBytes, so
 // that its reads stay coalesced; blocks stop once there are two units per SM.
-// 128 bytes, measured on an H100 against 64 and 256 (run P): 1x128x512x512
-// bf16 0.116 ms against 0.161 and 0.128 (0.142 uncut), 2x320x64x64 f16 0.028
-// against 0.025 and 0.036 (0.029 uncut).
-constexpr int64_t kMinBlockRowBytes = 128;
 int channels_last_blocks(const Shape& s, int device) {
-  const int64_t target = 2 * int64_t(device_info(device).sms);
-  int blocks = 1;
-  for (int b = 2; b <= s.G && s.N * blocks < target; ++b) {
-    if (s.G % b != 0) continue;
-    if ((s.C / b) * int64_t(s.elem) < kMinBlockRowBytes) break;
-    blocks = b;
-  }
-  return blocks;
+  return group_blocks(s, 2 * int64_t(device_info(device).sms));
 }
 
 template <typename scalar_t, int V, int K>
@@ -695,6 +717,7 @@ std::string describe_plan(const Plan& p) {
   if (p.kernel == Kernel::Stream || p.kernel == Kernel::StreamChannelsLast) {
     const bool rows = p.kernel == Kernel::StreamChannelsLast;
     return std::string(rows ? "stream channels_last" : "stream") + " vec=" + std::to_string(p.vec) +
+           (p.blocks > 1 ? " blocks=" + std::to_string(p.blocks) : "") +
            " pieces=" + std::to_string(p.team) + (rows ? " rows=" : " piece=") +
            std::to_string(p.slice) + (rows ? " chunk=" + std::to_string(p.chunk) : "") +
            " lag=" + std::to_string(p.lag) + " slots=" + std::to_string(p.slots) +
@@ -890,7 +913,8 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
       const int64_t counters = (int64_t(sizeof(unsigned long long)) +
                                 (p.units * chunks + 2 * p.units) * int64_t(sizeof(int)) + 15) /
                                16 * 16;
-      const int64_t partials = p.slots * (pieces + chunks) * s.G * 2;
+      const int unit_groups = s.G / p.blocks;
+      const int64_t partials = p.slots * (pieces + chunks) * unit_groups * 2;
       storage = at::empty({counters + partials * int64_t(sizeof(A))}, y.options().dtype(at::kByte));
       auto* base = storage.data_ptr<uint8_t>();
       C10_CUDA_CHECK(cudaMemsetAsync(base, 0, counters, stream));
@@ -900,13 +924,14 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
       ws.chunk_arrived = ws.piece_arrived + p.units * chunks;
       ws.ready = ws.chunk_arrived + p.units;
       A* piece_partial = reinterpret_cast<A*>(base + counters);
-      A* chunk_partial = piece_partial + p.slots * pieces * s.G * 2;
+      A* chunk_partial = piece_partial + p.slots * pieces * unit_groups * 2;
       const StreamOrder order{p.units * pieces, p.lag};
       with_vec<scalar_t, kContiguousVecBytes>(p.vec, [&](auto v) {
         groupnorm_stream_channels_last_kernel<scalar_t, decltype(v)::value>
             <<<unsigned(p.grid), unsigned(p.threads), p.smem, stream>>>(
                 x, gamma, beta, out, mean_p, rstd_p, piece_partial, chunk_partial, ws, s.HxW,
-                int(s.C), s.G, D, p.rows_per_step, pieces, p.chunk, p.slots, order, A(eps));
+                int(s.C), p.blocks, unit_groups, D, p.rows_per_step, pieces, p.chunk, p.slots,
+                order, A(eps));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       break;

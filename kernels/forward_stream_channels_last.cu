@@ -1,8 +1,12 @@
 // GroupNorm forward for large channels-last input ((N, HxW, C) in memory):
-// the ticket-ordered stream of forward_stream.cu with a sample as the unit.
+// the ticket-ordered stream of forward_stream.cu with a sample, or a block of
+// whole groups of a sample, as the unit.
 //
-// A sample's rows each hold all G groups, so a sample is cut into pieces of
-// whole rows. A statistics item computes the piece's (mean, M2) for every
+// A sample's rows each hold all G groups. The channels are cut into `blocks`
+// blocks of whole groups, each at least kMinBlockRowBytes of a row (so reads
+// stay coalesced), and a unit (sample, block) into pieces of its rows: the
+// smaller the unit, the sooner a piece is read again, so the likelier L2
+// still holds it. A statistics item computes the piece's (mean, M2) for every
 // group; a normalise item, `lag` pieces later in ticket order, loads the
 // piece again and writes y. Ticket order, lag, ring of slots and the
 // deadlock argument are those of forward_stream.cu, with G partials per
@@ -24,7 +28,8 @@
 // `slots` samples in the ring (the host keeps a piece's partials under 1/16
 // of its bytes), and two counters per sample plus one per chunk.
 //
-// Threads: cols = C / V threads cover a row, V channels each, rows_per_step
+// Threads: cols = C / blocks / V threads cover a unit's part of a row, V
+// channels each, rows_per_step
 // rows side by side; each thread holds stream_items<V>() rows of its column
 // in registers. V divides C / G, so a thread's channels lie in one group and
 // it keeps one sum, like the contiguous kernel: per-channel sums (V of each)
@@ -126,17 +131,21 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         const scalar_t* __restrict__ gamma,           // [C] or nullptr
         const scalar_t* __restrict__ beta,            // [C] or nullptr
         scalar_t* __restrict__ y,                     // [N, HxW, C]
-        acc_t<scalar_t>* __restrict__ mean,           // [N, G]
-        acc_t<scalar_t>* __restrict__ rstd,           // [N, G]
+        acc_t<scalar_t>* __restrict__ mean,           // [N * blocks, G] = [N, G of the input]
+        acc_t<scalar_t>* __restrict__ rstd,           // [N * blocks, G]
         acc_t<scalar_t>* __restrict__ piece_partial,  // [slots, pieces, G, 2]
         acc_t<scalar_t>* __restrict__ chunk_partial,  // [slots, chunks, G, 2]
-        StreamRowsWorkspace ws, int64_t HxW, int C, int G, int D, int rows_per_step, int64_t pieces,
-        int64_t chunk_pieces, int64_t slots, StreamOrder order, acc_t<scalar_t> eps) {
+        StreamRowsWorkspace ws, int64_t HxW, int C, int blocks, int G, int D, int rows_per_step,
+        int64_t pieces, int64_t chunk_pieces, int64_t slots, StreamOrder order,
+        acc_t<scalar_t> eps) {
+  // C: channels of a row; a unit (sample, block) holds C / blocks of them, in
+  // G groups of D.
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   constexpr int kItems = stream_items<V>();
   extern __shared__ __align__(16) unsigned char smem[];
-  const int cols = C / V;
+  const int unit_C = C / blocks;
+  const int cols = unit_C / V;
   A* red = reinterpret_cast<A*>(smem);        // [rows_per_step, cols]
   A* group_sum = red + rows_per_step * cols;  // [G] sum of x - shift over the piece
   A* group_m2 = group_sum + G;                // [G] M2 about the piece's group mean
@@ -169,7 +178,9 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
     const int64_t piece = b % pieces;
     const int64_t row0 = piece * rows_per_piece;
     const int rows = int(min(rows_per_piece, HxW - row0));  // a piece has under 2^31 elements
-    const scalar_t* first = x + (unit * HxW + row0) * C;    // the piece's first row
+    const int64_t block_c0 = (unit % blocks) * unit_C;      // the unit's first channel
+    const int64_t offset = ((unit / blocks) * HxW + row0) * C + block_c0;
+    const scalar_t* first = x + offset;  // the piece's first row
     VecT v[kItems];
     if (sweeps) {
 #pragma unroll
@@ -255,8 +266,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         const A rs = __ldcg(&rstd[unit * G + group]);
         ChannelAffine<A> f[V];
 #pragma unroll
-        for (int e = 0; e < V; ++e) f[e] = channel_affine(c0 + e, rs, gamma, beta);
-        scalar_t* ys = y + (unit * HxW + row0) * C + c0;
+        for (int e = 0; e < V; ++e) f[e] = channel_affine(block_c0 + c0 + e, rs, gamma, beta);
+        scalar_t* ys = y + offset + c0;
 #pragma unroll
         for (int u = 0; u < kItems; ++u) {
           const int r = row_lane + u * rows_per_step;
