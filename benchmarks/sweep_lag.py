@@ -1,6 +1,6 @@
-"""The stream kernel's lag on this card: the default (from L2's size, read at
-run time) against other lags, on the contiguous shapes that take the stream
-kernel. Forced `kernel="stream"` with `team` = lag in pieces; P = pieces per
+"""The stream kernel's lag on this card: the default (the larger of a group's
+pieces and the resident CTAs, plus a quarter of the latter; read at run time)
+against other lags, on the contiguous shapes that take the stream kernel. Forced `kernel="stream"` with `team` = lag in pieces; P = pieces per
 group, R = resident CTAs; % of the one-read-one-write floor at the copy
 bandwidth measured in the same run.
 
@@ -38,9 +38,9 @@ def main():
         pieces, resident = plan_field(text, "pieces"), plan_field(text, "grid")
         piece_bytes = plan_field(text, "piece") * plan_field(text, "vec") * x.element_size()
         print(f"{shape} G={groups} {dtype}: {text}")
-        lags = {"default": plan_field(text, "lag"), "P+R": pieces + resident,
-                "P+2R": pieces + 2 * resident, "P+L2/8": pieces + l2 // 8 // piece_bytes,
-                "P+L2/2": pieces + l2 // 2 // piece_bytes}
+        lags = {"default": plan_field(text, "lag"), "max(P,R)": max(pieces, resident),
+                "P+R": pieces + resident, "P+2R": pieces + 2 * resident,
+                "P+L2/4": pieces + l2 // 4 // piece_bytes}
         for name, lag in lags.items():
             ms = bench.median_ms(bench.rotating(
                 lambda t: gn.groupnorm_cuda(t, None, None, groups, kernel="stream", team=lag), inputs))
