@@ -590,10 +590,11 @@ def test_gpu_plan_chooses_stream_above_l2_size():
 
 @cuda
 def test_gpu_plan_chooses_row_stream_for_large_channels_last():
-    # channels-last inputs at least as large as L2 stream over rows (a sample
-    # of 4 MiB here); smaller ones, a single sample, groups whose partials
-    # would outweigh a piece (G=256: 32 KiB of them a 8 KiB piece) and rows
-    # wider than a block (G=512: 512 single-element columns) keep the team kernel
+    # channels-last inputs at least as large as L2 stream over rows (units of
+    # 0.5 MiB here: 8 blocks of 4 groups a sample); smaller ones, narrower
+    # vectors than 16 bytes (G=256: 4-byte, G=512: single elements) and a
+    # single unit keep the team kernel; a single sample streams when it makes
+    # several units of at most a quarter of L2
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     x = make_input((16, 512, 64, 64), torch.bfloat16, "channels_last", "cuda", shift=1000.0)
     assert x.numel() * 2 >= l2

@@ -100,7 +100,6 @@ BackwardPlan plan_backward(const Shape& s, c10::ScalarType dtype, uintptr_t addr
       p.why = kernel == "stream" ? "stream requested" : "input at least L2's size";
       return p;
     }
-    p.vec = widest_vector(s.elem, addr, {s.HxW});
     t.rows = s.N * s.C;
     t.row_items = s.HxW / p.vec;
     if (t.row_items <= kWarpRowVecs) {
@@ -196,8 +195,8 @@ void run_backward_stream(const BackwardPlan& p, const Shape& s, const scalar_t* 
   A* dbeta_part = need_affine ? dgamma_part + NC : nullptr;
   const StreamOrder order{t.tiles, p.lag};
   // L2 priorities on 16-byte loads (evict_last at the first read, evict_first
-  // at the second): 2-11 % faster for float and bfloat16 on an H100
-  // (benchmarks/README.md), unlike the forward stream's 16-bit pieces.
+  // at the second): 2-17 points of the floor faster for float and bfloat16
+  // on an H100 (benchmarks/README.md, run S).
   const bool l2_hints = p.vec * sizeof(scalar_t) == 16;
   with_vec<scalar_t, 16>(p.vec, [&](auto v) {
     groupnorm_backward_stream_kernel<scalar_t, decltype(v)::value>
@@ -215,6 +214,10 @@ void run_backward(const BackwardPlan& p, const Shape& s, const scalar_t* dy, con
                   const acc_t<scalar_t>* mean, const acc_t<scalar_t>* rstd, const scalar_t* gamma,
                   scalar_t* dx, scalar_t* dgamma, scalar_t* dbeta, const at::Tensor& like,
                   cudaStream_t stream) {
+  if (p.stream) {
+    run_backward_stream<scalar_t>(p, s, dy, x, mean, rstd, gamma, dx, dgamma, dbeta, like, stream);
+    return;
+  }
   using A = acc_t<scalar_t>;
   const BackwardTiles& t = p.tiles;
   const int C = int(s.C), G = s.G, D = C / G;
@@ -233,10 +236,6 @@ void run_backward(const BackwardPlan& p, const Shape& s, const scalar_t* dy, con
   A* dbeta_part = need_affine ? dgamma_part + NC : nullptr;
 
   const unsigned grid = unsigned(p.grid);
-  if (p.stream) {
-    run_backward_stream<scalar_t>(p, s, dy, x, mean, rstd, gamma, dx, dgamma, dbeta, like, stream);
-    return;
-  }
   with_vec<scalar_t, 16>(p.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
     if (p.channels_last) {

@@ -12,8 +12,8 @@
 //                       partials (unit_coefficients), then raises its flag;
 //   second read (dx)    `lag` tiles later, while L2 should still hold the
 //                       tile: loads x and dy, waits for the unit's flag
-//                       (rarely: the lag covers a unit and the items in
-//                       flight), writes dx.
+//                       (rarely: the lag is the larger of a unit and the
+//                       items in flight), writes dx.
 // A tile is `chunk` vectors of one channel row (a row is cut into `chunks`
 // tiles), kStreamBackwardItems vectors of x and of dy per thread, held in
 // registers between the loads and their use. dgamma and dbeta are added over

@@ -179,7 +179,8 @@ struct Plan {
   int64_t kept = 0;  // items of the slice held on chip (all: one DRAM read of x)
   int threads = kReferenceThreads;
   int rows_per_step = 1;  // channels-last: rows in flight per sweep step
-  int blocks = 1;  // channels-last team and stream kernels: units (channel blocks) per sample
+  // channels-last team and stream kernels: units (blocks of whole groups) per sample
+  int blocks = 1;
   bool channels_last = false;  // registers kernel: x is (N, HxW, C)
   int items = 0;               // registers kernel: vectors a thread can hold (K)
   int ranks = 1;               // registers kernel: CTAs per group (a cluster when > 1)
@@ -614,8 +615,9 @@ bool plan_registers(Plan& p, const Shape& s, int device, const Request& req) {
 // kStreamMinPieces pieces or more (its second read of x then comes
 // from L2 while the team kernel waits at team barriers; measured on an H200 in
 // benchmarks/README.md), the contiguous team kernel otherwise. Channels-last
-// input takes the stream kernel over rows on the same terms
-// (plan_stream_channels_last), the channels-last team kernel otherwise, unless
+// input at least as large as L2 takes the stream kernel over rows on the
+// terms of plan_stream_channels_last (16-byte vectors, units of blocks of
+// groups), the channels-last team kernel otherwise, unless
 // C is too wide for one thread per column (then the reference kernel, which
 // reads any layout). The fast kernels use 16-byte accesses where the
 // address, C/G and HxW allow, narrower ones otherwise.

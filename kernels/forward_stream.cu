@@ -14,8 +14,9 @@
 // read, lag pieces later. The CTA whose statistics item completes a unit
 // merges the unit's pieces in piece order (deterministic), writes mean and
 // rstd and raises the unit's ready flag; a normalise item loads its piece,
-// then waits for that flag (rarely: with lag >= pieces per unit plus the
-// items in flight, the unit finished long before).
+// then waits for that flag (rarely: with a lag of the larger of a unit's
+// pieces and the items in flight, and a quarter of the latter more, the unit
+// has nearly always finished).
 //
 // Tried and slower on an H200 (benchmarks/README.md): pieces staged in shared
 // memory by cp.async, three per CTA, so loads run while a CTA reduces;
@@ -38,8 +39,9 @@
 // units in a ring: unit u writes slot u % slots once unit u - slots is
 // merged (its ready flag; slots cover the lag and the items in flight, so
 // that wait is nearly always over before it starts). The ring holds about
-// lag + 2 * grid + 2 * pieces pairs: O(N * G) plus a few pairs per 8192
-// elements of one group (KernelBench L1-35: 7 slots of 256 pairs).
+// lag + 2 * grid + 2 * pieces pairs: O(N * G) plus a few pairs per piece
+// (2048 vectors: 8192 float or 16384 half elements) of one group
+// (KernelBench L1-35: 7 slots of 256 pairs).
 #pragma once
 
 #include "common.cuh"
@@ -49,7 +51,8 @@ namespace groupnorm {
 
 constexpr int kStreamThreads = 256;
 // Vectors per thread per piece, held in registers (16-bit elements packed as
-// words until used), at three CTAs per SM without spills: 2048-vector
+// words until used), at three CTAs per SM without spills (double spills
+// 36-104 bytes, a dtype no suite shape uses): 2048-vector
 // pieces, 32 KiB with 16-byte vectors. Measured on an H100
 // (benchmarks/README.md): for half and bfloat16, 8 vectors with L2 priorities
 // on every load were 9-12 points of the floor faster than the 4 unhinted

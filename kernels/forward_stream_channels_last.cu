@@ -7,33 +7,33 @@
 // stay coalesced), and a unit (sample, block) into pieces of its rows: the
 // smaller the unit, the sooner a piece is read again, so the likelier L2
 // still holds it. A statistics item computes the piece's (mean, M2) for every
-// group; a normalise item, `lag` pieces later in ticket order, loads the
-// piece again and writes y. Ticket order, lag, ring of slots and the
-// deadlock argument are those of forward_stream.cu, with G partials per
-// piece instead of one. L2 still holds a piece at its second read when a
-// sample is smaller than about a quarter of L2 (lag >= pieces per sample);
-// larger samples read much of x twice, as every other kernel must once a
-// sample no longer fits on chip. Measured on an H200 (benchmarks/README.md,
-// run K): 27-28 % of the floor on the SD VAE and video shapes against 21-26 %
-// for the team kernel, and 44-49 % for the contiguous stream on the same bytes.
+// group of the unit; a normalise item, `lag` pieces later in ticket order,
+// loads the piece again and writes y. Ticket order, ring of slots and the
+// deadlock argument are those of forward_stream.cu, with a unit's G partials
+// per piece instead of one. L2 still holds a piece at its second read when a
+// unit is smaller than about a quarter of L2 (lag >= pieces per unit); larger
+// units read much of x twice, as every other kernel must once a unit no
+// longer fits on chip. Measured on an H100 (benchmarks/README.md, run U):
+// 38-62 % of the floor with units of 0.5-8 MiB, against 28-55 % with whole
+// samples as units (16-64 MiB) and 34-51 % for the team kernel.
 //
-// Merging: one CTA merging every partial of a 64 MiB sample (4096 pieces x
-// 32 groups) would hold up each normalise item of that sample. The merge is
-// two-level instead: the CTA that finishes the last piece of a chunk
-// (chunk_pieces consecutive pieces, about kChunkPartials partials) merges
-// the chunk, and the CTA that merges a sample's last chunk merges the
-// chunks, writes mean and rstd, and raises the sample's ready flag. Both
-// merges go in piece order, so the result does not depend on timing.
+// Merging: one CTA merging every partial of a large unit (a 64 MiB sample
+// without blocks: 4096 pieces x 32 groups) would hold up each normalise item
+// of that unit. The merge is two-level instead: the CTA that finishes the
+// last piece of a chunk (chunk_pieces consecutive pieces, about
+// kChunkPartials partials) merges the chunk, and the CTA that merges a
+// unit's last chunk merges the chunks, writes mean and rstd, and raises the
+// unit's ready flag. Both merges go in piece order, so the result does not
+// depend on timing.
 // Extra memory: (mean, M2) per group for every piece and chunk of the
-// `slots` samples in the ring (the host keeps a piece's partials under 1/16
-// of its bytes), and two counters per sample plus one per chunk.
+// `slots` units in the ring (the host keeps a piece's partials under 1/16 of
+// its bytes), and two counters per unit plus one per chunk.
 //
 // Threads: cols = C / blocks / V threads cover a unit's part of a row, V
-// channels each, rows_per_step
-// rows side by side; each thread holds stream_items<V>() rows of its column
-// in registers. V divides C / G, so a thread's channels lie in one group and
-// it keeps one sum, like the contiguous kernel: per-channel sums (V of each)
-// spilled and made the kernel bound by instructions, not memory.
+// channels each, rows_per_step rows side by side; each thread holds
+// stream_items<V>() rows of its column in registers. V divides C / G, so a thread's channels lie in
+// one group and it keeps one sum, like the contiguous kernel: per-channel sums (V of each) spilled
+// and made the kernel bound by instructions, not memory.
 #pragma once
 
 #include "common.cuh"
@@ -49,9 +49,11 @@ constexpr int stream_items() {
   return V >= 8 ? 4 : 8;
 }
 // Whether the 16-byte loads of a piece carry L2 eviction priorities
-// (load_with_l2_priority). Measured on an H200 (benchmarks/README.md): 1-4 %
-// faster with 4-element vectors (float), about 10 % slower with 8-element
-// ones (half, bfloat16), whose pieces are half as large.
+// (load_with_l2_priority). Measured on an H200 on the contiguous stream kernel
+// when it shared these constants (benchmarks/README.md): 1-4 % faster with
+// 4-element vectors (float), about 10 % slower with 8-element ones (half,
+// bfloat16) at 4 rows a thread. The contiguous kernel has since taken 8
+// vectors and hints for every width (run T); not re-measured here.
 template <int V>
 constexpr bool stream_l2_hints() {
   return V < 8;
@@ -69,7 +71,7 @@ struct StreamRowsWorkspace {
   unsigned long long* next;  // [1]              next ticket to hand out
   int* piece_arrived;        // [units, chunks]  statistics items finished, per chunk
   int* chunk_arrived;        // [units]          chunks merged
-  int* ready;                // [units]          1 once the sample's mean and rstd are written
+  int* ready;                // [units]          1 once the unit's mean and rstd are written
 };
 
 // Shared memory beyond the static arrays: the per-thread table
@@ -80,8 +82,8 @@ __host__ __device__ inline size_t stream_rows_shared_bytes(int rows_per_step, in
 }
 
 // Merges a finished chunk's piece partials into the chunk's partial and, if
-// it is the sample's last chunk, the chunks into the sample's mean and rstd,
-// then raises the sample's ready flag. Called by a whole CTA.
+// it is the unit's last chunk, the chunks into the unit's mean and rstd,
+// then raises the unit's ready flag. Called by a whole CTA.
 template <typename A>
 __device__ __forceinline__ void merge_chunk(const A* piece_partial, A* chunk_partial, A* mean,
                                             A* rstd, const StreamRowsWorkspace& ws, A* scratch,
@@ -178,9 +180,11 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
     const int64_t piece = b % pieces;
     const int64_t row0 = piece * rows_per_piece;
     const int rows = int(min(rows_per_piece, HxW - row0));  // a piece has under 2^31 elements
-    const int64_t block_c0 = (unit % blocks) * unit_C;      // the unit's first channel
-    const int64_t offset = ((unit / blocks) * HxW + row0) * C + block_c0;
-    const scalar_t* first = x + offset;  // the piece's first row
+    // One 64-bit division, and the unit's first channel in 32 bits: with
+    // unit % blocks and 64-bit offsets kept for the store, the kernel spilled.
+    const int64_t n = unit / blocks;
+    const int block_c0 = int(unit - n * blocks) * unit_C;
+    const scalar_t* first = x + ((n * HxW + row0) * C + block_c0);  // the piece's first row
     VecT v[kItems];
     if (sweeps) {
 #pragma unroll
@@ -256,7 +260,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
                     chunk, HxW, G, D, rows_per_piece, pieces, chunk_pieces, slots, eps);
       }
     } else {
-      // The loads above are in flight while thread 0 waits for the sample.
+      // The loads above are in flight while thread 0 waits for the unit.
       if (tid == 0) {
         while (load_acquire(&ws.ready[unit]) == 0) __nanosleep(64);
       }
@@ -267,7 +271,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         ChannelAffine<A> f[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) f[e] = channel_affine(block_c0 + c0 + e, rs, gamma, beta);
-        scalar_t* ys = y + offset + c0;
+        scalar_t* ys = y + (first - x) + c0;
 #pragma unroll
         for (int u = 0; u < kItems; ++u) {
           const int r = row_lane + u * rows_per_step;
