@@ -65,13 +65,14 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
   const int64_t tickets = 2 * order.total;
   const PartialLayout at{t.chunks, C * t.chunks, t.chunks, 1};
 
+  // The ticket loop of groupnorm_stream_kernel, written out here as there
+  // (forward_stream_channels_last.cu says why). The next ticket's latency
+  // hides behind this item; it is read after this item's last barrier.
   if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
   __syncthreads();
   for (int cur = 0;; cur ^= 1) {
     const int64_t tk = ticket[cur];
     if (tk >= tickets) break;
-    // The next ticket's latency hides behind this item; it is read after
-    // this item's last barrier.
     if (tid == 0) ticket[cur ^ 1] = (long long)atomicAdd(ws.next, 1ull);
     int64_t b;
     const bool sums = order.item(tk, b);

@@ -165,9 +165,10 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
   const int64_t tickets = 2 * order.total;
 
   // The ticket loop of groupnorm_stream_kernel: the next ticket is fetched
-  // while this item runs. Written out in both kernels on purpose: as a shared
-  // helper (a lambda body, or a claim() at the loop's head) it cost these
-  // register-capped kernels 8-64 more bytes of spills per thread (ptxas).
+  // while this item runs. Written out in each stream kernel on purpose (also
+  // groupnorm_backward_stream_kernel): as a shared helper (a lambda body, or
+  // a claim() at the loop's head) it cost these register-capped kernels 8-64
+  // more bytes of spills per thread (ptxas).
   if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
   __syncthreads();
   for (int cur = 0;; cur ^= 1) {
