@@ -260,7 +260,7 @@ def plan(x, groups, *, kernel="auto", team=0, backward=False):
     """The kernel groupnorm_cuda would run for x, and why, as one line of text.
     With backward=True, the backward's kernel and tiling for x (and a
     grad_output laid out like it, dx wanted); there kernel is "auto",
-    "passes" (four launches) or "stream" (one launch; contiguous input), and
+    "passes" (four launches) or "stream" (one launch; either layout), and
     team forces the stream kernel's lag in tiles."""
     if backward:
         return load().backward_plan(x, groups, kernel, team)

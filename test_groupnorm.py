@@ -964,16 +964,52 @@ BACKWARD_STREAM_CASES = [
                          ids=[f"{shape_id(c[:2])}-{str(c[2])[6:]}" for c in BACKWARD_STREAM_CASES])
 def test_gpu_backward_stream_kernel(case):
     shape, groups, dtype = case
-    x = make_input(shape, dtype, "contiguous", "cuda")
-    assert gn.plan(x, groups, kernel="stream", backward=True).startswith("stream contiguous")
+    check_stream_backward(shape, groups, dtype, "contiguous", "stream contiguous")
+
+
+def check_stream_backward(shape, groups, dtype, layout, expected):
+    """The stream backward forced on fresh input, with and without weight and
+    bias, at the default lag, the smallest (one unit: every dx item waits on
+    the sums just before) and one past the end (every sums item before any dx
+    item). `expected`: text the plan must hold, so that a case that stops
+    testing what it says fails."""
+    x = make_input(shape, dtype, layout, "cuda")
+    text = gn.plan(x, groups, kernel="stream", backward=True)
+    assert text.startswith("stream " + layout) and expected in text, text
     w, b = affine(shape[1], dtype, "cuda", "both")
-    dy = make_input(shape, dtype, "contiguous", "cuda")
+    dy = make_input(shape, dtype, layout, "cuda")
     check_backward(x, groups, w, b, dy, kernel="stream")
     check_backward(x, groups, None, None, dy, kernel="stream")
-    # the smallest lag (one unit: every dx item waits on the sums just before)
-    # and one past the end (every sums item before any dx item)
     for lag in (1, 1 << 40):
         check_backward(x, groups, w, b, dy, kernel="stream", lag=lag)
+
+
+# The channels-last stream backward forced: ragged last tiles, blocks of
+# groups (3 and 8 a sample), scalar and 2-element vectors, a unit row of
+# exactly kBackwardThreads vectors (one row a step), G = 1 and G = C, 1-D and
+# 3-D, more tiles than resident CTAs. The plan text names vec and blocks, so a
+# case that stops testing what it says fails.
+BACKWARD_STREAM_CL_CASES = [
+    ((2, 64, 33, 35), 8, torch.bfloat16, "vec=8 chunks=5 chunk=256 tiles=10 blocks=1 "),
+    ((2, 512, 20, 20), 32, torch.bfloat16, "vec=8 chunks=2 chunk=256 tiles=32 blocks=8 "),
+    ((3, 96, 17, 19), 6, torch.float32, "vec=4 chunks=2 chunk=256 tiles=18 blocks=3 "),
+    ((2, 15, 9, 11), 5, torch.float32, "vec=1 chunks=1 chunk=136 tiles=2 blocks=1 "),
+    ((2, 32, 40, 40), 1, torch.float16, "vec=8 chunks=4 chunk=512 tiles=8 blocks=1 "),
+    ((2, 32, 24, 24), 32, torch.float16, "vec=1 chunks=9 chunk=64 tiles=18 blocks=1 "),
+    ((2, 16, 30, 30), 4, torch.float64, "vec=2 chunks=4 chunk=256 tiles=8 blocks=1 "),
+    ((2, 64, 4, 20, 20), 8, torch.bfloat16, "vec=8 chunks=7 chunk=256 tiles=14 blocks=1 "),
+    ((2, 64, 1000), 8, torch.float32, "vec=4 chunks=4 chunk=256 tiles=16 blocks=2 "),
+    ((2, 2048, 3, 7), 1, torch.bfloat16, "vec=8 chunks=3 chunk=8 tiles=6 blocks=1 "),
+    ((8, 256, 64, 64), 32, torch.bfloat16, "vec=8 chunks=16 chunk=256 tiles=512 blocks=4 "),
+]
+
+
+@cuda
+@pytest.mark.parametrize("case", BACKWARD_STREAM_CL_CASES,
+                         ids=[f"{shape_id(c[:2])}-{str(c[2])[6:]}" for c in BACKWARD_STREAM_CL_CASES])
+def test_gpu_backward_stream_channels_last_kernel(case):
+    shape, groups, dtype, expected = case
+    check_stream_backward(shape, groups, dtype, "channels_last", expected)
 
 
 @cuda
@@ -981,21 +1017,30 @@ def test_gpu_backward_stream_shifted_inputs():
     x = make_input((2, 64, 33, 32), torch.float32, "contiguous", "cuda", shift=1000.0)
     w, b = affine(64, x.dtype, "cuda", "both")
     check_backward(x, 8, w, b, torch.randn_like(x), shift_scale=100.0, kernel="stream")
+    x = x.to(memory_format=torch.channels_last)
+    check_backward(x, 8, w, b, torch.randn_like(x), shift_scale=100.0, kernel="stream")
 
 
 @cuda
-def test_gpu_backward_plan_takes_stream_for_large_contiguous_input():
-    """Contiguous input at least as large as L2 takes the stream backward
-    through autograd; channels-last input of that size, and smaller input,
-    take the four launches."""
+def test_gpu_backward_plan_takes_stream_for_large_input():
+    """Input at least as large as L2 takes the stream backward through
+    autograd, in either layout; smaller input takes the four launches."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     n = max(1, -(-l2 // (64 * 128 * 128 * 4)))
     x = make_input((n, 64, 128, 128), torch.float32, "contiguous", "cuda")
     assert gn.plan(x, 8, backward=True).startswith("stream contiguous")
     w, b = affine(64, x.dtype, "cuda", "both")
     check_backward(x, 8, w, b, torch.randn_like(x))
-    assert gn.plan(x.to(memory_format=torch.channels_last), 8, backward=True).startswith("passes")
+    x_cl = x.to(memory_format=torch.channels_last)
+    assert gn.plan(x_cl, 8, backward=True).startswith("stream channels_last vec=4 ")
+    check_backward(x_cl, 8, w, b, torch.randn_like(x_cl))
     assert gn.plan(x[:1], 8, backward=True).startswith("passes")
+    assert gn.plan(x_cl[:1], 8, backward=True).startswith("passes")
+    # channels-last units of more tiles than half the resident CTAs: the dx
+    # items would wait, so the four launches (256 tiles a unit here)
+    wide_units = make_input((n, 64, 256, 256), torch.float32, "channels_last", "cuda")
+    assert " chunks=256 " in gn.plan(wide_units, 8, kernel="stream", backward=True)
+    assert gn.plan(wide_units, 8, backward=True).startswith("passes")
     assert gn.plan(x, 8, kernel="passes", backward=True).startswith("passes")
 
 
@@ -1004,8 +1049,9 @@ def test_gpu_backward_kernel_errors_name_the_problem():
     x = make_input((2, 8, 16, 16), torch.float32, "contiguous", "cuda")
     with pytest.raises(ValueError, match="kernel must be"):
         gn.plan(x, 2, kernel="fast", backward=True)
-    with pytest.raises(ValueError, match="stream kernel needs contiguous input"):
-        gn.plan(x.to(memory_format=torch.channels_last), 2, kernel="stream", backward=True)
+    wide = make_input((2, 4096, 2, 2), torch.float32, "channels_last", "cuda")
+    with pytest.raises(ValueError, match=r"channels-last input needs C / 4 <= 256, got C = 4096"):
+        gn.plan(wide, 1, kernel="stream", backward=True)
     with pytest.raises(ValueError, match="lag must be"):
         gn.plan(x, 2, kernel="stream", team=-1, backward=True)
 

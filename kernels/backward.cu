@@ -17,11 +17,11 @@
 // x and dy are read twice and dx written once: 5 passes against the 3-pass
 // floor, so at the copy rate this reaches 60 % of it. Step 4 walks the tiles
 // in reverse, so its first reads hit what step 1 left in L2; inputs that fit
-// in L2 are read from DRAM about once. Contiguous inputs larger than L2 take
-// backward_stream.cu instead, which does steps 1, 2 and 4 in one launch and
-// reads each tile the second time soon after the first. mean and rstd come
-// from the forward: nothing else is saved. No atomics: results do not depend
-// on timing.
+// in L2 are read from DRAM about once. Inputs larger than L2 take
+// backward_stream.cu (contiguous) or backward_stream_channels_last.cu
+// instead, which do steps 1, 2 and 4 in one launch and read each tile the
+// second time soon after the first. mean and rstd come from the forward:
+// nothing else is saved. No atomics: results do not depend on timing.
 //
 // Tiles (chosen by plan_backward on the host):
 //   contiguous    rows of HxW (one per (sample, channel)); a row of at most

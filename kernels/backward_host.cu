@@ -5,6 +5,7 @@
 
 #include "backward.cu"
 #include "backward_stream.cu"
+#include "backward_stream_channels_last.cu"
 #include "forward_host.cu"
 
 namespace groupnorm {
@@ -28,53 +29,94 @@ struct BackwardPlan {
 };
 
 template <typename scalar_t>
-const void* backward_stream_kernel(int vec) {
+const void* backward_stream_kernel(int vec, bool channels_last) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
-    kernel = reinterpret_cast<const void*>(
-        &groupnorm_backward_stream_kernel<scalar_t, decltype(v)::value>);
+    constexpr int V = decltype(v)::value;
+    kernel = channels_last
+                 ? reinterpret_cast<const void*>(
+                       &groupnorm_backward_stream_channels_last_kernel<scalar_t, V>)
+                 : reinterpret_cast<const void*>(&groupnorm_backward_stream_kernel<scalar_t, V>);
   });
   return kernel;
 }
 
-const void* backward_stream_kernel(c10::ScalarType dtype, int vec) {
+const void* backward_stream_kernel(c10::ScalarType dtype, int vec, bool channels_last) {
   const void* kernel = nullptr;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "groupnorm_backward_plan",
-                                  [&] { kernel = backward_stream_kernel<scalar_t>(vec); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "groupnorm_backward_plan", [&] {
+    kernel = backward_stream_kernel<scalar_t>(vec, channels_last);
+  });
   return kernel;
 }
 
-// The stream backward: contiguous rows cut into tiles of at most
-// kStreamBackwardTileVecs vectors, the grid as many CTAs as are resident, and
-// sums `lag` tiles ahead of dx: the larger of one unit's tiles (so that the
-// order is deadlock-free) and the tiles in flight (so that a dx item rarely
-// waits). Measured on an H100 (benchmarks/README.md): a longer lag, such as
-// their sum, leaves L2 less likely to hold a tile at its second read and was
-// up to 5 points of the floor slower; a shorter one makes dx items wait.
+// Rows of a channels-last stream tile whose unit's row is `cols` vectors.
+int64_t stream_rows_per_tile(int cols, int vec) {
+  return int64_t(kBackwardThreads / cols) * channels_last_stream_items(vec);
+}
+
+// The stream backward, tiles and grid. Contiguous: rows cut into tiles of at
+// most kStreamBackwardTileVecs vectors, a unit (sample, group) D rows.
+// Channels-last: a unit is a sample or a block of `blocks` whole groups of it
+// (p.vec divides C / G), cut into tiles of rows_per_step * kStreamBackwardItems
+// rows. The grid is as many CTAs as are resident, and the sums run `lag`
+// tiles ahead of dx: the larger of one unit's tiles (so that the order is
+// deadlock-free) and the tiles in flight (so that a dx item rarely waits).
+// Measured on an H100 (benchmarks/README.md): a longer lag, such as their
+// sum, leaves L2 less likely to hold a tile at its second read and was up to
+// 5 points of the floor slower; a shorter one makes dx items wait.
 void plan_backward_stream(BackwardPlan& p, const Shape& s, c10::ScalarType dtype, int device,
-                          int64_t lag) {
+                          int64_t lag, int blocks) {
   BackwardTiles& t = p.tiles;
   const DeviceInfo& dev = device_info(device);
   p.stream = true;
-  t.rows = s.N * s.C;
-  t.row_items = s.HxW / p.vec;
-  t.chunks = (t.row_items + kStreamBackwardTileVecs - 1) / kStreamBackwardTileVecs;
-  t.chunk = (t.row_items + t.chunks - 1) / t.chunks;
-  t.tiles = t.rows * t.chunks;
+  int64_t unit_tiles = 0;
+  if (!s.channels_last) {
+    t.rows = s.N * s.C;
+    t.row_items = s.HxW / p.vec;
+    t.chunks = (t.row_items + kStreamBackwardTileVecs - 1) / kStreamBackwardTileVecs;
+    t.chunk = (t.row_items + t.chunks - 1) / t.chunks;
+    t.tiles = t.rows * t.chunks;
+    unit_tiles = (s.C / s.G) * t.chunks;
+  } else {
+    t.rows = s.N;
+    t.row_items = s.HxW;
+    t.cblocks = blocks;
+    t.block_cols = int(s.C / blocks / p.vec);
+    t.chunk = stream_rows_per_tile(t.block_cols, p.vec);
+    t.chunks = (s.HxW + t.chunk - 1) / t.chunk;
+    t.tiles = s.N * blocks * t.chunks;
+    unit_tiles = t.chunks;
+  }
   const int64_t resident =
-      int64_t(blocks_per_sm(backward_stream_kernel(dtype, p.vec), device, kBackwardThreads, 0)) *
+      int64_t(blocks_per_sm(backward_stream_kernel(dtype, p.vec, s.channels_last), device,
+                            kBackwardThreads, 0)) *
       dev.sms;
   TORCH_CHECK(resident > 0, "groupnorm backward: the stream kernel does not fit on this device");
   p.grid = std::min({resident, 2 * t.tiles, kMaxGrid});
-  const int64_t unit_tiles = (s.C / s.G) * t.chunks;
-  p.lag = std::min(t.tiles, std::max(unit_tiles, lag > 0 ? lag : std::max(unit_tiles, p.grid)));
+  p.lag = std::min(t.tiles, std::max(unit_tiles, lag > 0 ? lag : p.grid));
+}
+
+// Channels-last input at least as large as L2 with 16-byte vectors takes the
+// stream backward by default when a unit is at most half as many tiles as
+// there are resident CTAs: at lag = resident CTAs, a unit's last sums item
+// is then at least half of them ahead of its first dx item, which rarely
+// waits. Measured on an H100 (benchmarks/README.md, run X), backward alone:
+// 57-72 % of the floor against 43-56 % for the four launches on units of
+// 21-64 tiles; the video shape, 2x512x16x64x64 bf16 (units of 256 tiles, as
+// many as the resident CTAs), was slower than the four launches at every lag
+// (36-40 % against 48 %): its dx items waited at short lags and missed L2 at
+// long ones.
+bool auto_stream_channels_last(const Shape& s, int vec, int device) {
+  const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
+  return bytes >= size_t(device_info(device).l2_bytes) && vec * int64_t(s.elem) == 16;
 }
 
 // Contiguous input at least as large as L2, with 16-byte vectors and rows of
-// whole tiles or more, takes the stream backward when dx is wanted; smaller
-// inputs are read from L2 the second time anyway (the dx kernel walks the
-// tiles in reverse). kernel: "auto", "passes" (the four launches) or
-// "stream"; lag > 0 forces the stream kernel's lag.
+// whole tiles or more, takes the stream backward when dx is wanted, and so
+// does channels-last input by auto_stream_channels_last; smaller inputs are
+// read from L2 the second time anyway (the dx kernels walk the tiles in
+// reverse). kernel: "auto", "passes" (the four launches) or "stream"; lag > 0
+// forces the stream kernel's lag.
 // addr: the addresses of x and dy OR-ed (both must allow the vector width).
 BackwardPlan plan_backward(const Shape& s, c10::ScalarType dtype, uintptr_t addr, int device,
                            bool need_dx, const std::string& kernel, int64_t lag) {
@@ -83,8 +125,8 @@ BackwardPlan plan_backward(const Shape& s, c10::ScalarType dtype, uintptr_t addr
                             "\"stream\", got \"",
                             kernel, "\""));
   TORCH_CHECK_VALUE(lag >= 0, message("groupnorm backward: lag must be >= 0, got ", lag));
-  TORCH_CHECK_VALUE(kernel != "stream" || (!s.channels_last && need_dx),
-                    "groupnorm backward: the stream kernel needs contiguous input and dx wanted");
+  TORCH_CHECK_VALUE(kernel != "stream" || need_dx,
+                    "groupnorm backward: the stream kernel needs dx wanted");
   BackwardPlan p;
   p.channels_last = s.channels_last;
   BackwardTiles& t = p.tiles;
@@ -96,7 +138,7 @@ BackwardPlan plan_backward(const Shape& s, c10::ScalarType dtype, uintptr_t addr
         kernel == "auto" && need_dx && bytes >= size_t(device_info(device).l2_bytes) &&
         p.vec * int64_t(s.elem) == 16 && s.HxW / p.vec >= kStreamBackwardTileVecs;
     if (kernel == "stream" || auto_stream) {
-      plan_backward_stream(p, s, dtype, device, lag);
+      plan_backward_stream(p, s, dtype, device, lag, 1);
       p.why = kernel == "stream" ? "stream requested" : "input at least L2's size";
       return p;
     }
@@ -117,6 +159,26 @@ BackwardPlan plan_backward(const Shape& s, c10::ScalarType dtype, uintptr_t addr
       t.tiles = t.rows * t.chunks;
     }
   } else {
+    // The stream kernel's vectors divide C / G (a thread's channels lie in
+    // one group), with its units' blocks of whole groups as in the forward.
+    const int stream_vec = widest_vector(s.elem, addr, {s.C, s.C / s.G});
+    const int blocks = group_blocks(s, std::numeric_limits<int64_t>::max());
+    const int64_t stream_cols = s.C / blocks / stream_vec;
+    TORCH_CHECK_VALUE(kernel != "stream" || stream_cols <= kBackwardThreads,
+                      message("groupnorm backward: the stream kernel for channels-last input "
+                              "needs C / ",
+                              blocks * stream_vec, " <= ", kBackwardThreads, ", got C = ", s.C));
+    if (kernel == "stream" || (kernel == "auto" && need_dx && stream_cols <= kBackwardThreads &&
+                               auto_stream_channels_last(s, stream_vec, device))) {
+      p.vec = stream_vec;
+      plan_backward_stream(p, s, dtype, device, lag, blocks);
+      if (kernel == "stream" || 2 * p.tiles.chunks <= p.grid) {
+        p.why = kernel == "stream" ? "stream requested" : "input at least L2's size";
+        return p;
+      }
+      p = BackwardPlan{};
+      p.channels_last = true;
+    }
     p.vec = widest_vector(s.elem, addr, {s.C});
     const int64_t cols = s.C / p.vec;
     t.rows = s.N;
@@ -146,6 +208,7 @@ std::string describe_backward_plan(const BackwardPlan& p) {
                      " vec=" + std::to_string(p.vec) + " chunks=" + std::to_string(t.chunks) +
                      " chunk=" + std::to_string(t.chunk) + " tiles=" + std::to_string(t.tiles);
   if (p.stream) {
+    if (p.channels_last) text += " blocks=" + std::to_string(t.cblocks);
     text += " grid=" + std::to_string(p.grid) + " lag=" + std::to_string(p.lag);
   } else if (p.channels_last) {
     text += " cblocks=" + std::to_string(t.cblocks) + " cols=" + std::to_string(t.block_cols);
@@ -165,9 +228,9 @@ void launch_backward_affine(const acc_t<scalar_t>* dgamma_part, const acc_t<scal
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// One allocation holds the counters (zeroed), the tile pairs, the
-// coefficients and the affine partials; then the stream kernel and, for
-// dgamma and dbeta, the affine kernel.
+// One allocation holds the counters (zeroed) and the kernel's pairs (with
+// the coefficients, contiguous) and the affine partials; then the stream
+// kernel and, for dgamma and dbeta, the affine kernel.
 template <typename scalar_t>
 void run_backward_stream(const BackwardPlan& p, const Shape& s, const scalar_t* dy,
                          const scalar_t* x, const acc_t<scalar_t>* mean,
@@ -176,22 +239,25 @@ void run_backward_stream(const BackwardPlan& p, const Shape& s, const scalar_t* 
                          cudaStream_t stream) {
   using A = acc_t<scalar_t>;
   const BackwardTiles& t = p.tiles;
-  const int64_t NC = s.N * s.C, units = s.N * s.G;
+  const int64_t NC = s.N * s.C;
   const bool need_affine = dgamma != nullptr;
-  const int64_t counters =
-      (int64_t(sizeof(unsigned long long)) + 2 * units * int64_t(sizeof(int)) + 15) / 16 * 16;
-  const int64_t bytes = counters + int64_t(sizeof(Coef<A>)) * NC +
-                        int64_t(sizeof(A)) * (2 * NC * t.chunks + (need_affine ? 2 * NC : 0));
+  const int64_t units = p.channels_last ? s.N * t.cblocks : s.N * s.G;
+  const int64_t counters = stream_counter_bytes(units);
+  // Contiguous: coefficients [N, C] and tile pairs [N, C, chunks].
+  // Channels-last: group pairs [N, chunks, G] and, for the affine partials,
+  // channel pairs [N, chunks, C].
+  const int64_t tile_pairs =
+      p.channels_last ? 2 * s.N * t.chunks * (s.G + (need_affine ? s.C : 0)) : 2 * NC * t.chunks;
+  const int64_t coef_bytes = p.channels_last ? 0 : int64_t(sizeof(Coef<A>)) * NC;
+  const int64_t bytes =
+      counters + coef_bytes + int64_t(sizeof(A)) * (tile_pairs + (need_affine ? 2 * NC : 0));
   at::Tensor storage = at::empty({bytes}, like.options().dtype(at::kByte));
   auto* base = storage.data_ptr<uint8_t>();
   C10_CUDA_CHECK(cudaMemsetAsync(base, 0, counters, stream));
-  StreamWorkspace ws;
-  ws.next = reinterpret_cast<unsigned long long*>(base);
-  ws.arrived = reinterpret_cast<int*>(base + sizeof(unsigned long long));
-  ws.ready = ws.arrived + units;
+  const StreamWorkspace ws = stream_workspace(base, units);
   auto* coef = reinterpret_cast<Coef<A>*>(base + counters);
-  A* partial = reinterpret_cast<A*>(coef + NC);
-  A* dgamma_part = need_affine ? partial + 2 * NC * t.chunks : nullptr;
+  A* pairs = reinterpret_cast<A*>(base + counters + coef_bytes);
+  A* dgamma_part = need_affine ? pairs + tile_pairs : nullptr;
   A* dbeta_part = need_affine ? dgamma_part + NC : nullptr;
   const StreamOrder order{t.tiles, p.lag};
   // L2 priorities on 16-byte loads (evict_last at the first read, evict_first
@@ -199,10 +265,20 @@ void run_backward_stream(const BackwardPlan& p, const Shape& s, const scalar_t* 
   // on an H100 (benchmarks/README.md, run S).
   const bool l2_hints = p.vec * sizeof(scalar_t) == 16;
   with_vec<scalar_t, 16>(p.vec, [&](auto v) {
-    groupnorm_backward_stream_kernel<scalar_t, decltype(v)::value>
-        <<<unsigned(p.grid), kBackwardThreads, 0, stream>>>(dy, x, mean, rstd, gamma, partial,
-                                                            dgamma_part, dbeta_part, coef, dx, ws,
-                                                            t, int(s.C), s.G, order, l2_hints);
+    constexpr int V = decltype(v)::value;
+    if (p.channels_last) {
+      A* group_pairs = pairs;
+      A* channel_pairs = need_affine ? pairs + 2 * s.N * t.chunks * s.G : nullptr;
+      groupnorm_backward_stream_channels_last_kernel<scalar_t, V>
+          <<<unsigned(p.grid), kBackwardThreads, 0, stream>>>(
+              dy, x, mean, rstd, gamma, group_pairs, channel_pairs, dgamma_part, dbeta_part, dx, ws,
+              t, int(s.C), s.G, order, l2_hints);
+    } else {
+      groupnorm_backward_stream_kernel<scalar_t, V>
+          <<<unsigned(p.grid), kBackwardThreads, 0, stream>>>(dy, x, mean, rstd, gamma, pairs,
+                                                              dgamma_part, dbeta_part, coef, dx, ws,
+                                                              t, int(s.C), s.G, order, l2_hints);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   if (need_affine)

@@ -886,16 +886,12 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
     case Kernel::Stream: {
       const int64_t L = int64_t(D) * s.HxW;
       const int64_t total = p.units * p.team;
-      const int64_t counters =
-          (int64_t(sizeof(unsigned long long)) + 2 * p.units * int64_t(sizeof(int)) + 15) / 16 * 16;
+      const int64_t counters = stream_counter_bytes(p.units);
       storage = at::empty({counters + p.slots * p.team * 2 * int64_t(sizeof(A))},
                           y.options().dtype(at::kByte));
       auto* base = storage.data_ptr<uint8_t>();
       C10_CUDA_CHECK(cudaMemsetAsync(base, 0, counters, stream));
-      StreamWorkspace ws;
-      ws.next = reinterpret_cast<unsigned long long*>(base);
-      ws.arrived = reinterpret_cast<int*>(base + sizeof(unsigned long long));
-      ws.ready = ws.arrived + p.units;
+      const StreamWorkspace ws = stream_workspace(base, p.units);
       A* partial = reinterpret_cast<A*>(base + counters);
       const bool fast_div = L < (int64_t(1) << 31);
       const FastDivider hxw_div(fast_div ? uint32_t(s.HxW) : 1u);

@@ -49,6 +49,22 @@ struct StreamWorkspace {
                              //         the dx coefficients) are written
 };
 
+// Bytes of a StreamWorkspace's counters for `units` units, rounded up to 16
+// so that what the caller lays out after them stays aligned. They must be
+// zeroed before the launch.
+inline int64_t stream_counter_bytes(int64_t units) {
+  return (int64_t(sizeof(unsigned long long)) + 2 * units * int64_t(sizeof(int)) + 15) / 16 * 16;
+}
+
+// The counters of stream_counter_bytes(units) laid out from `base`.
+inline StreamWorkspace stream_workspace(uint8_t* base, int64_t units) {
+  StreamWorkspace ws;
+  ws.next = reinterpret_cast<unsigned long long*>(base);
+  ws.arrived = reinterpret_cast<int*>(base + sizeof(unsigned long long));
+  ws.ready = ws.arrived + units;
+  return ws;
+}
+
 // Ticket -> item in the order above. total: pieces in all units.
 struct StreamOrder {
   int64_t total, lag;
