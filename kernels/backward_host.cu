@@ -59,11 +59,15 @@ int64_t stream_rows_per_tile(int cols, int vec) {
 // Channels-last: a unit is a sample or a block of `blocks` whole groups of it
 // (p.vec divides C / G), cut into tiles of rows_per_step * kStreamBackwardItems
 // rows. The grid is as many CTAs as are resident, and the sums run `lag`
-// tiles ahead of dx: the larger of one unit's tiles (so that the order is
-// deadlock-free) and the tiles in flight (so that a dx item rarely waits).
-// Measured on an H100 (benchmarks/README.md): a longer lag, such as their
-// sum, leaves L2 less likely to hold a tile at its second read and was up to
-// 5 points of the floor slower; a shorter one makes dx items wait.
+// tiles ahead of dx: at least one unit's tiles (so that the order is
+// deadlock-free), and enough tiles in flight that a dx item rarely waits, but
+// no more: a longer lag leaves L2 less likely to hold a tile at its second
+// read. Measured best on an H100 (benchmarks/README.md, run X), backward
+// alone: contiguous, a unit plus half the resident CTAs, up to the larger of
+// a unit and the resident CTAs (1-2 points of the floor above that larger
+// one, which KernelBench L1-35's unit of 256 tiles keeps: a unit plus half
+// the CTAs was 14 points slower there); channels-last, the larger of a unit
+// and the resident CTAs (0-3 points above a unit plus half of them).
 void plan_backward_stream(BackwardPlan& p, const Shape& s, c10::ScalarType dtype, int device,
                           int64_t lag, int blocks) {
   BackwardTiles& t = p.tiles;
@@ -93,7 +97,9 @@ void plan_backward_stream(BackwardPlan& p, const Shape& s, c10::ScalarType dtype
       dev.sms;
   TORCH_CHECK(resident > 0, "groupnorm backward: the stream kernel does not fit on this device");
   p.grid = std::min({resident, 2 * t.tiles, kMaxGrid});
-  p.lag = std::min(t.tiles, std::max(unit_tiles, lag > 0 ? lag : p.grid));
+  const int64_t in_flight =
+      s.channels_last ? p.grid : std::min(unit_tiles + p.grid / 2, std::max(unit_tiles, p.grid));
+  p.lag = std::min(t.tiles, std::max(unit_tiles, lag > 0 ? lag : in_flight));
 }
 
 // Channels-last input at least as large as L2 with 16-byte vectors takes the
@@ -228,9 +234,9 @@ void launch_backward_affine(const acc_t<scalar_t>* dgamma_part, const acc_t<scal
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// One allocation holds the counters (zeroed) and the kernel's pairs (with
-// the coefficients, contiguous) and the affine partials; then the stream
-// kernel and, for dgamma and dbeta, the affine kernel.
+// One allocation holds the counters (zeroed), the kernel's pairs and the
+// affine partials; then the stream kernel and, for dgamma and dbeta, the
+// affine kernel.
 template <typename scalar_t>
 void run_backward_stream(const BackwardPlan& p, const Shape& s, const scalar_t* dy,
                          const scalar_t* x, const acc_t<scalar_t>* mean,
@@ -243,20 +249,16 @@ void run_backward_stream(const BackwardPlan& p, const Shape& s, const scalar_t* 
   const bool need_affine = dgamma != nullptr;
   const int64_t units = p.channels_last ? s.N * t.cblocks : s.N * s.G;
   const int64_t counters = stream_counter_bytes(units);
-  // Contiguous: coefficients [N, C] and tile pairs [N, C, chunks].
-  // Channels-last: group pairs [N, chunks, G] and, for the affine partials,
-  // channel pairs [N, chunks, C].
+  // Contiguous: tile pairs [N, C, chunks]. Channels-last: group pairs
+  // [N, chunks, G] and, for the affine partials, channel pairs [N, chunks, C].
   const int64_t tile_pairs =
       p.channels_last ? 2 * s.N * t.chunks * (s.G + (need_affine ? s.C : 0)) : 2 * NC * t.chunks;
-  const int64_t coef_bytes = p.channels_last ? 0 : int64_t(sizeof(Coef<A>)) * NC;
-  const int64_t bytes =
-      counters + coef_bytes + int64_t(sizeof(A)) * (tile_pairs + (need_affine ? 2 * NC : 0));
+  const int64_t bytes = counters + int64_t(sizeof(A)) * (tile_pairs + (need_affine ? 2 * NC : 0));
   at::Tensor storage = at::empty({bytes}, like.options().dtype(at::kByte));
   auto* base = storage.data_ptr<uint8_t>();
   C10_CUDA_CHECK(cudaMemsetAsync(base, 0, counters, stream));
   const StreamWorkspace ws = stream_workspace(base, units);
-  auto* coef = reinterpret_cast<Coef<A>*>(base + counters);
-  A* pairs = reinterpret_cast<A*>(base + counters + coef_bytes);
+  A* pairs = reinterpret_cast<A*>(base + counters);
   A* dgamma_part = need_affine ? pairs + tile_pairs : nullptr;
   A* dbeta_part = need_affine ? dgamma_part + NC : nullptr;
   const StreamOrder order{t.tiles, p.lag};
@@ -276,8 +278,8 @@ void run_backward_stream(const BackwardPlan& p, const Shape& s, const scalar_t* 
     } else {
       groupnorm_backward_stream_kernel<scalar_t, V>
           <<<unsigned(p.grid), kBackwardThreads, 0, stream>>>(dy, x, mean, rstd, gamma, pairs,
-                                                              dgamma_part, dbeta_part, coef, dx, ws,
-                                                              t, int(s.C), s.G, order, l2_hints);
+                                                              dgamma_part, dbeta_part, dx, ws, t,
+                                                              int(s.C), s.G, order, l2_hints);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

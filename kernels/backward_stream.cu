@@ -6,21 +6,28 @@
 // most 60 % of it. Here the two reads of a tile come close together, in the
 // ticket order of stream_order.cuh:
 //   first read  (sums)  the tile's sum(dy) and sum(dy * (x - mean)) -> its
-//                       partial pair; the CTA whose tile completes the unit
-//                       (sample, group) adds the unit's pairs in order and
-//                       writes the unit's dx coefficients and affine
-//                       partials (unit_coefficients), then raises its flag;
+//                       partial pair, then the unit's (sample, group)
+//                       arrival count;
 //   second read (dx)    `lag` tiles later, while L2 should still hold the
-//                       tile: loads x and dy, waits for the unit's flag
-//                       (rarely: the lag is the larger of a unit and the
-//                       items in flight), writes dx.
-// A tile is `chunk` vectors of one channel row (a row is cut into `chunks`
-// tiles), kStreamBackwardItems vectors of x and of dy per thread, held in
-// registers between the loads and their use. dgamma and dbeta are added over
-// the samples by the affine kernel afterwards, as in the four-launch path.
-// Extra memory: the pair of every tile, the coefficients of every channel and
-// two counters per unit, as the four-launch path (no ring: a sums item never
-// waits).
+//                       tile: loads x and dy, waits until every tile of the
+//                       unit has arrived (rarely: the lag is the larger of a
+//                       unit and the items in flight), adds the unit's pairs
+//                       weighted by gamma into its coefficients and writes dx.
+// Each dx item adding its unit's pairs (D x chunks of them, at most one a
+// thread on the suite's shapes) keeps the path from a unit's last sums item
+// to its dx items to one arrival and one read. Measured on an H100
+// (benchmarks/README.md, run X), backward alone, against a version in which
+// the CTA completing a unit wrote the coefficients for the dx items to read:
+// 66 -> 84 % of the floor on KernelBench L1-35 and 4-6 points more on the
+// other suite shapes, at the default lag.
+// The CTA whose tile completes a unit writes its affine partials
+// (unit_coefficients); no dx item waits for that. A tile is `chunk` vectors
+// of one channel row (a row is cut into `chunks` tiles),
+// kStreamBackwardItems vectors of x and of dy per thread, held in registers
+// between the loads and their use. dgamma and dbeta are added over the
+// samples by the affine kernel afterwards, as in the four-launch path. Extra
+// memory: the pair of every tile and the counters of a StreamWorkspace
+// (`ready` unused; no ring: a sums item never waits).
 #pragma once
 
 #include "backward.cu"
@@ -37,6 +44,21 @@ constexpr int kStreamBackwardItems = 8;
 constexpr int kStreamBackwardTileVecs = kBackwardThreads * kStreamBackwardItems;
 constexpr int kStreamBackwardBlocksPerSm = 2;
 
+// One pair of partial sums, read through L2 in one load (the same launch
+// writes them).
+template <typename A>
+__device__ __forceinline__ void load_pair_l2(const A* p, A& first, A& second) {
+  if constexpr (sizeof(A) == 4) {
+    const float2 q = __ldcg(reinterpret_cast<const float2*>(p));
+    first = q.x;
+    second = q.y;
+  } else {
+    const double2 q = __ldcg(reinterpret_cast<const double2*>(p));
+    first = q.x;
+    second = q.y;
+  }
+}
+
 template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
     groupnorm_backward_stream_kernel(const scalar_t* __restrict__ dy,           // [N * C, HxW]
@@ -47,7 +69,6 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
                                      acc_t<scalar_t>* partial,      // [N * C, chunks, 2]
                                      acc_t<scalar_t>* dgamma_part,  // [N, C] or nullptr
                                      acc_t<scalar_t>* dbeta_part,   // [N, C] or nullptr
-                                     Coef<acc_t<scalar_t>>* coef,   // [N, C]
                                      scalar_t* __restrict__ dx,     // [N * C, HxW]
                                      StreamWorkspace ws, BackwardTiles t, int C, int G,
                                      StreamOrder order, bool l2_hints) {
@@ -57,13 +78,13 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
   using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
   __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[kBackwardWarps];
   __shared__ long long ticket[2];  // the current and the next item
-  __shared__ Coef<A> row_coef;
   __shared__ bool completes_unit;
   const int tid = threadIdx.x;
   const int D = C / G;
   const int unit_tiles = D * int(t.chunks);
   const int64_t tickets = 2 * order.total;
   const PartialLayout at{t.chunks, C * t.chunks, t.chunks, 1};
+  const auto weight = [&](int c) { return gamma != nullptr ? static_cast<A>(gamma[c]) : A(1); };
 
   // The ticket loop of groupnorm_stream_kernel, written out here as there
   // (forward_stream_channels_last.cu says why). The next ticket's latency
@@ -116,22 +137,33 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
         if (completes_unit) __threadfence();  // and every other tile's pair to us
       }
       __syncthreads();
-      if (completes_unit) {
-        unit_coefficients<scalar_t>(partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, unit,
-                                    C, G, t.row_items * V, at, red_dy, red_dyx, scratch);
-        __threadfence();  // each writer's coefficients are visible before the flag
-        __syncthreads();
-        if (tid == 0) store_release(&ws.ready[unit], 1);
+      if (completes_unit && dgamma_part != nullptr) {
+        unit_coefficients<scalar_t>(partial, mean, rstd, gamma, dgamma_part, dbeta_part, nullptr,
+                                    unit, C, G, t.row_items * V, at, red_dy, red_dyx, scratch);
       }
     } else {
-      // The loads above are in flight while thread 0 waits for the unit.
+      // The loads above are in flight while thread 0 waits for the unit's
+      // last tile and the block adds the unit's pairs, weighted by gamma:
+      // every dx item of the unit adds the same pairs in the same order.
       if (tid == 0) {
-        while (load_acquire(&ws.ready[unit]) == 0) __nanosleep(64);
-        const Coef<A>* k = coef + row;
-        row_coef = Coef<A>{__ldcg(&k->alpha), __ldcg(&k->mu), __ldcg(&k->k1), __ldcg(&k->k2)};
+        while (load_acquire(&ws.arrived[unit]) < unit_tiles) __nanosleep(64);
       }
       __syncthreads();
-      const Coef<A> k = row_coef;
+      const A* pairs = partial + unit * unit_tiles * 2;  // rows unit * D ... of t.chunks
+      A s1 = 0, s2 = 0;
+      for (int i = tid; i < unit_tiles; i += kBackwardThreads) {
+        A a, q;
+        load_pair_l2(pairs + int64_t(i) * 2, a, q);
+        const A w = weight(int(unit % G) * D + i / int(t.chunks));
+        s1 += w * a;
+        s2 += w * q;
+      }
+      s1 = block_sum(s1, scratch);
+      s2 = block_sum(s2, scratch);
+      const int c = int(row % C);
+      const A mu = mean[unit], rs = rstd[unit];
+      const A M = A(D) * A(t.row_items * V);
+      const Coef<A> k{rs * weight(c), mu, rs * s1 / M, rs * rs * rs * s2 / M};
       scalar_t* out = dx + offset;
 #pragma unroll
       for (int u = 0; u < kStreamBackwardItems; ++u) {

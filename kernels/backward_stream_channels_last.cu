@@ -19,10 +19,10 @@
 // Each dx item adding the group pairs (tiles x groups of the unit, a few per
 // thread, read from L2 while its own loads are in flight) keeps the path from
 // a unit's last sums item to its dx items short: one arrival and one read.
-// Measured on an H100 (benchmarks/README.md) against a version in which the
-// CTA completing a unit wrote coefficients for the dx items to read (after a
-// merge of the channel pairs), whose dx items waited up to 20 points of the
-// floor longer.
+// Measured on an H100 (benchmarks/README.md, run X), backward alone, against
+// a version in which the CTA completing a unit wrote coefficients for the dx
+// items to read (after merging the channel pairs): 17-34 points of the floor
+// faster at the default lag.
 // The CTA whose tile completes a unit adds the unit's channel pairs in tile
 // order into the affine partials; no dx item waits for that. V divides C / G,
 // so a thread's channels lie in one group: one mean per thread. Every
@@ -40,21 +40,6 @@ namespace groupnorm {
 // registers are sized for.
 constexpr int channels_last_stream_items(int V) { return kStreamBackwardItems; }
 constexpr int channels_last_stream_blocks_per_sm(int V) { return kStreamBackwardBlocksPerSm; }
-
-// One pair of partial sums, read through L2 in one load (the same launch
-// writes them).
-template <typename A>
-__device__ __forceinline__ void load_pair_l2(const A* p, A& first, A& second) {
-  if constexpr (sizeof(A) == 4) {
-    const float2 q = __ldcg(reinterpret_cast<const float2*>(p));
-    first = q.x;
-    second = q.y;
-  } else {
-    const double2 q = __ldcg(reinterpret_cast<const double2*>(p));
-    first = q.x;
-    second = q.y;
-  }
-}
 
 // Adds `count` sets of `width` pairs, pair j of set k at base + (k * stride +
 // j) * 2, with the whole block, and calls store(j, first sum, second sum) for
