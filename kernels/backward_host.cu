@@ -64,10 +64,10 @@ int64_t stream_rows_per_tile(int cols, int vec) {
 // no more: a longer lag leaves L2 less likely to hold a tile at its second
 // read. Measured best on an H100 (benchmarks/README.md, run X), backward
 // alone: contiguous, a unit plus half the resident CTAs, up to the larger of
-// a unit and the resident CTAs (1-2 points of the floor above that larger
-// one, which KernelBench L1-35's unit of 256 tiles keeps: a unit plus half
-// the CTAs was 14 points slower there); channels-last, the larger of a unit
-// and the resident CTAs (0-3 points above a unit plus half of them).
+// a unit and the resident CTAs (0.6-1.6 points of the floor above that
+// larger one, which KernelBench L1-35's unit of 256 tiles keeps: a unit plus
+// half the CTAs was 14 points slower there); channels-last, the larger of a
+// unit and the resident CTAs (up to 2.8 points above a unit plus half).
 void plan_backward_stream(BackwardPlan& p, const Shape& s, c10::ScalarType dtype, int device,
                           int64_t lag, int blocks) {
   BackwardTiles& t = p.tiles;
