@@ -842,34 +842,39 @@ def weight_for_torch(x, w, b):
     return w, b
 
 
-def forced_gradients(x, groups, w, b, dy, kernel, lag):
+def forced_gradients(x, groups, w, b, dy, kernel, lag, affine=True):
     """(dx, dw, db) from the extension's backward with its kernel forced, dx
-    landing in a poisoned block (unwritten elements show up as NaN)."""
+    landing in a poisoned block (unwritten elements show up as NaN); with
+    affine=False dweight and dbias are not asked for (None)."""
     ext = gn.load()
     x, w, b = (t.detach() if t is not None else None for t in (x, w, b))
     _, mean, rstd = ext.forward(x, w, b, groups, 1e-5, "auto", 0)
     grads = []
 
     def run():
-        grads[:] = ext.backward(dy, x, mean, rstd, w, groups, True, True, kernel, lag)
+        grads[:] = ext.backward(dy, x, mean, rstd, w, groups, True, affine, kernel, lag)
         return grads[0]
 
     _, landed = poisoned(run, x)
     assert landed, "dx did not reuse the poisoned block"
     dx, dw, db = grads
+    if not affine:
+        assert dw.numel() == 0 and db.numel() == 0
+        return [dx, None, None]
     return [dx, dw if w is not None else None, db if b is not None else None]
 
 
-def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0):
+def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, affine=True):
     """Gradients through autograd (kernel "auto") or from the forced backward
-    kernel, against a float64 reference, within torch's own error."""
+    kernel, against a float64 reference, within torch's own error; with
+    affine=False (forced kernels only) dx alone is asked for and checked."""
     x = x.detach().requires_grad_()
     w = w.detach().requires_grad_() if w is not None else None
     b = b.detach().requires_grad_() if b is not None else None
     if kernel == "auto":
         ours = gradients(lambda *t: gn.groupnorm_cuda(t[0], t[1], t[2], groups), x, w, b, dy)
     else:
-        ours = forced_gradients(x, groups, w, b, dy, kernel, lag)
+        ours = forced_gradients(x, groups, w, b, dy, kernel, lag, affine)
     x64 = x.detach().double().requires_grad_()
     w64 = w.detach().double().requires_grad_() if w is not None else None
     b64 = b.detach().double().requires_grad_() if b is not None else None
@@ -882,7 +887,7 @@ def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0):
     var = x.detach().double().reshape(N, groups, -1).var(dim=-1, unbiased=False)
     rstd_max = (var + 1e-5).rsqrt().max().item()
     for name, mine, r, t in zip(("dx", "dweight", "dbias"), ours, ref, theirs):
-        if r is None:
+        if r is None or (mine is None and not affine):
             continue
         assert mine.shape == r.shape and mine.dtype == x.dtype, name
         scale = r.abs().max().item() + 1e-30
@@ -969,7 +974,7 @@ def test_gpu_backward_stream_kernel(case):
 
 def check_stream_backward(shape, groups, dtype, layout, expected):
     """The stream backward forced on fresh input, with and without weight and
-    bias, at the default lag, the smallest (one unit: every dx item waits on
+    bias, with dx alone asked for, at the default lag, the smallest (one unit: every dx item waits on
     the sums just before) and one past the end (every sums item before any dx
     item). `expected`: text the plan must hold, so that a case that stops
     testing what it says fails."""
@@ -980,6 +985,7 @@ def check_stream_backward(shape, groups, dtype, layout, expected):
     dy = make_input(shape, dtype, layout, "cuda")
     check_backward(x, groups, w, b, dy, kernel="stream")
     check_backward(x, groups, None, None, dy, kernel="stream")
+    check_backward(x, groups, w, b, dy, kernel="stream", affine=False)  # dx alone
     for lag in (1, 1 << 40):
         check_backward(x, groups, w, b, dy, kernel="stream", lag=lag)
 
@@ -1031,16 +1037,27 @@ def test_gpu_backward_plan_takes_stream_for_large_input():
     assert gn.plan(x, 8, backward=True).startswith("stream contiguous")
     w, b = affine(64, x.dtype, "cuda", "both")
     check_backward(x, 8, w, b, torch.randn_like(x))
+    # channels-last: the stream when a unit (64 tiles here) is at most half
+    # the grid, and the four launches for units larger than that (256 tiles)
     x_cl = x.to(memory_format=torch.channels_last)
-    assert gn.plan(x_cl, 8, backward=True).startswith("stream channels_last vec=4 ")
+    forced = gn.plan(x_cl, 8, kernel="stream", backward=True)
+    assert " chunks=64 " in forced, forced
+    grid = int(forced.split(" grid=")[1].split()[0])
+    auto = gn.plan(x_cl, 8, backward=True)
+    assert auto.startswith("stream channels_last vec=4 " if 2 * 64 <= grid else "passes"), auto
     check_backward(x_cl, 8, w, b, torch.randn_like(x_cl))
     assert gn.plan(x[:1], 8, backward=True).startswith("passes")
     assert gn.plan(x_cl[:1], 8, backward=True).startswith("passes")
-    # channels-last units of more tiles than half the resident CTAs: the dx
-    # items would wait, so the four launches (256 tiles a unit here)
     wide_units = make_input((n, 64, 256, 256), torch.float32, "channels_last", "cuda")
     assert " chunks=256 " in gn.plan(wide_units, 8, kernel="stream", backward=True)
-    assert gn.plan(wide_units, 8, backward=True).startswith("passes")
+    auto = gn.plan(wide_units, 8, backward=True)
+    assert auto.startswith("stream" if 2 * 256 <= grid else "passes"), auto
+    # a row of 256 vectors leaves tiles of 8 rows, whose per-channel pairs
+    # would be half the size of x: the four launches
+    wide_rows = make_input((max(1, -(-l2 // (2048 * 64 * 2))), 2048, 8, 8), torch.bfloat16,
+                           "channels_last", "cuda")
+    assert " chunk=8 " in gn.plan(wide_rows, 1, kernel="stream", backward=True)
+    assert gn.plan(wide_rows, 1, backward=True).startswith("passes")
     assert gn.plan(x, 8, kernel="passes", backward=True).startswith("passes")
 
 
@@ -1054,6 +1071,10 @@ def test_gpu_backward_kernel_errors_name_the_problem():
         gn.plan(wide, 1, kernel="stream", backward=True)
     with pytest.raises(ValueError, match="lag must be"):
         gn.plan(x, 2, kernel="stream", team=-1, backward=True)
+    ext = gn.load()
+    _, mean, rstd = ext.forward(x, None, None, 2, 1e-5, "auto", 0)
+    with pytest.raises(ValueError, match="stream kernel needs dx wanted"):
+        ext.backward(torch.randn_like(x), x, mean, rstd, None, 2, False, True, "stream", 0)
 
 
 @cuda

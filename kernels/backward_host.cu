@@ -20,7 +20,7 @@ constexpr int64_t kMaxChunks = 1024;
 
 struct BackwardPlan {
   bool channels_last = false;
-  bool stream = false;  // one launch (backward_stream.cu) instead of four
+  bool stream = false;  // one launch (backward_stream*.cu) instead of four
   int vec = 1;
   BackwardTiles tiles{};
   int64_t grid = 0;
@@ -50,8 +50,8 @@ const void* backward_stream_kernel(c10::ScalarType dtype, int vec, bool channels
 }
 
 // Rows of a channels-last stream tile whose unit's row is `cols` vectors.
-int64_t stream_rows_per_tile(int cols, int vec) {
-  return int64_t(kBackwardThreads / cols) * channels_last_stream_items(vec);
+int64_t stream_rows_per_tile(int cols) {
+  return int64_t(kBackwardThreads / cols) * kStreamBackwardItems;
 }
 
 // The stream backward, tiles and grid. Contiguous: rows cut into tiles of at
@@ -60,9 +60,9 @@ int64_t stream_rows_per_tile(int cols, int vec) {
 // (p.vec divides C / G), cut into tiles of rows_per_step * kStreamBackwardItems
 // rows. The grid is as many CTAs as are resident, and the sums run `lag`
 // tiles ahead of dx: at least one unit's tiles (so that the order is
-// deadlock-free), and enough tiles in flight that a dx item rarely waits, but
-// no more: a longer lag leaves L2 less likely to hold a tile at its second
-// read. Measured best on an H100 (benchmarks/README.md, run X), backward
+// deadlock-free), and enough tiles in flight (the grid's) that a dx item
+// rarely waits, but no more: a longer lag leaves L2 less likely to hold a
+// tile at its second read. Measured best on an H100 (benchmarks/README.md, run X), backward
 // alone: contiguous, a unit plus half the resident CTAs, up to the larger of
 // a unit and the resident CTAs (0.6-1.6 points of the floor above that
 // larger one, which KernelBench L1-35's unit of 256 tiles keeps: a unit plus
@@ -86,7 +86,7 @@ void plan_backward_stream(BackwardPlan& p, const Shape& s, c10::ScalarType dtype
     t.row_items = s.HxW;
     t.cblocks = blocks;
     t.block_cols = int(s.C / blocks / p.vec);
-    t.chunk = stream_rows_per_tile(t.block_cols, p.vec);
+    t.chunk = stream_rows_per_tile(t.block_cols);
     t.chunks = (s.HxW + t.chunk - 1) / t.chunk;
     t.tiles = s.N * blocks * t.chunks;
     unit_tiles = t.chunks;
@@ -102,19 +102,22 @@ void plan_backward_stream(BackwardPlan& p, const Shape& s, c10::ScalarType dtype
   p.lag = std::min(t.tiles, std::max(unit_tiles, lag > 0 ? lag : in_flight));
 }
 
-// Channels-last input at least as large as L2 with 16-byte vectors takes the
-// stream backward by default when a unit is at most half as many tiles as
-// there are resident CTAs: at lag = resident CTAs, a unit's last sums item
-// is then at least half of them ahead of its first dx item, which rarely
-// waits. Measured on an H100 (benchmarks/README.md, run X), backward alone:
-// 57-72 % of the floor against 43-56 % for the four launches on units of
-// 21-64 tiles; the video shape, 2x512x16x64x64 bf16 (units of 256 tiles, as
-// many as the resident CTAs), was slower than the four launches at every lag
-// (36-40 % against 48 %): its dx items waited at short lags and missed L2 at
-// long ones.
-bool auto_stream_channels_last(const Shape& s, int vec, int device) {
+// Whether channels-last input planned as the stream backward (p) takes it
+// by default: at least as large as L2, 16-byte vectors, tiles of at least
+// 128 bytes of each channel (its pairs, 8 bytes a channel, stay within 1/16
+// of the tile: a row of 256 vectors leaves tiles of 8 rows), and units of at
+// most half as many tiles as the grid (the resident CTAs): at a lag of the
+// grid, a unit's last sums item is then at least half of it ahead of its
+// first dx item, which rarely waits. Measured on an H100
+// (benchmarks/README.md, run X), backward alone: 57-72 % of the floor
+// against 43-56 % for the four launches on units of 21-64 tiles; the video
+// shape, 2x512x16x64x64 bf16 (units of 256 tiles, as many as the resident
+// CTAs), was slower than the four launches at every lag (36-40 % against
+// 48 %): its dx items waited at short lags and missed L2 at long ones.
+bool auto_stream_channels_last(const BackwardPlan& p, const Shape& s, int device) {
   const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
-  return bytes >= size_t(device_info(device).l2_bytes) && vec * int64_t(s.elem) == 16;
+  return bytes >= size_t(device_info(device).l2_bytes) && p.vec * int64_t(s.elem) == 16 &&
+         p.tiles.chunk * int64_t(s.elem) >= 128 && 2 * p.tiles.chunks <= p.grid;
 }
 
 // Contiguous input at least as large as L2, with 16-byte vectors and rows of
@@ -173,13 +176,16 @@ BackwardPlan plan_backward(const Shape& s, c10::ScalarType dtype, uintptr_t addr
     TORCH_CHECK_VALUE(kernel != "stream" || stream_cols <= kBackwardThreads,
                       message("groupnorm backward: the stream kernel for channels-last input "
                               "needs C / ",
-                              blocks * stream_vec, " <= ", kBackwardThreads, ", got C = ", s.C));
-    if (kernel == "stream" || (kernel == "auto" && need_dx && stream_cols <= kBackwardThreads &&
-                               auto_stream_channels_last(s, stream_vec, device))) {
+                              blocks * stream_vec, " <= ", kBackwardThreads, ", got C = ", s.C,
+                              " (kernel=\"passes\" takes any C)"));
+    if (kernel == "stream" ||
+        (kernel == "auto" && need_dx && stream_cols <= kBackwardThreads &&
+         size_t(s.N) * s.C * s.HxW * s.elem >= size_t(device_info(device).l2_bytes))) {
       p.vec = stream_vec;
       plan_backward_stream(p, s, dtype, device, lag, blocks);
-      if (kernel == "stream" || 2 * p.tiles.chunks <= p.grid) {
-        p.why = kernel == "stream" ? "stream requested" : "input at least L2's size";
+      if (kernel == "stream" || auto_stream_channels_last(p, s, device)) {
+        p.why = kernel == "stream" ? "stream requested"
+                                   : "input at least L2's size, units of at most half the grid";
         return p;
       }
       p = BackwardPlan{};

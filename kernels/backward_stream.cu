@@ -10,9 +10,10 @@
 //                       arrival count;
 //   second read (dx)    `lag` tiles later, while L2 should still hold the
 //                       tile: loads x and dy, waits until every tile of the
-//                       unit has arrived (rarely: the lag is the larger of a
-//                       unit and the items in flight), adds the unit's pairs
-//                       weighted by gamma into its coefficients and writes dx.
+//                       unit has arrived (rarely: the lag covers a unit and
+//                       most items in flight, plan_backward_stream), adds the
+//                       unit's pairs weighted by gamma into its coefficients
+//                       and writes dx.
 // Each dx item adding its unit's pairs (D x chunks of them, at most one a
 // thread on the suite's shapes) keeps the path from a unit's last sums item
 // to its dx items to one arrival and one read. Measured on an H100

@@ -36,11 +36,6 @@
 
 namespace groupnorm {
 
-// Rows of x and of dy a thread holds per tile, and CTAs per SM the
-// registers are sized for.
-constexpr int channels_last_stream_items(int V) { return kStreamBackwardItems; }
-constexpr int channels_last_stream_blocks_per_sm(int V) { return kStreamBackwardBlocksPerSm; }
-
 // Adds `count` sets of `width` pairs, pair j of set k at base + (k * stride +
 // j) * 2, with the whole block, and calls store(j, first sum, second sum) for
 // every j in one thread each. Threads take (j, lane) pairs, j fastest, and
@@ -83,7 +78,7 @@ __device__ __forceinline__ void add_pair_sets(const A* base, int64_t count, int6
 }
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kBackwardThreads, channels_last_stream_blocks_per_sm(V))
+__global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
     groupnorm_backward_stream_channels_last_kernel(
         const scalar_t* __restrict__ dy,           // [N, HxW, C]
         const scalar_t* __restrict__ x,            // [N, HxW, C]
@@ -101,7 +96,7 @@ __global__ void __launch_bounds__(kBackwardThreads, channels_last_stream_blocks_
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
-  constexpr int kItems = channels_last_stream_items(V);
+  constexpr int kItems = kStreamBackwardItems;  // rows of a thread's column
   // red_*: [rows, unit_C] per-thread (or per-warp) sums of a tile, or the
   // lanes of add_pair_sets. sum_*: in a sums item the tile's weighted sums
   // per channel of the unit, in a dx item the unit's per group.

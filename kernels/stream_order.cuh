@@ -1,5 +1,6 @@
 // The ticket order shared by the stream kernels (forward_stream.cu,
-// forward_stream_channels_last.cu, backward_stream.cu): every piece of every
+// forward_stream_channels_last.cu, backward_stream.cu,
+// backward_stream_channels_last.cu): every piece of every
 // unit is visited twice, a first read (statistics) and, `lag` pieces later, a
 // second read (normalise, or dx) that should find the piece still in L2.
 // CTAs claim items from one ticket counter, in which the first reads run
@@ -45,8 +46,8 @@ __device__ __forceinline__ VecT load_with_l2_priority(const VecT* p, bool keep) 
 struct StreamWorkspace {
   unsigned long long* next;  // [1]     next ticket to hand out
   int* arrived;              // [units] statistics items finished
-  int* ready;                // [units] 1 once the unit's results (mean and rstd, or
-                             //         the dx coefficients) are written
+  int* ready;                // [units] forward: the unit's results are written
+                             //         (unused by the backward kernels)
 };
 
 // Bytes of a StreamWorkspace's counters for `units` units, rounded up to 16
