@@ -62,8 +62,8 @@ int64_t stream_rows_per_tile(int cols) {
 // tiles ahead of dx: at least one unit's tiles (so that the order is
 // deadlock-free), and enough tiles in flight (the grid's) that a dx item
 // rarely waits, but no more: a longer lag leaves L2 less likely to hold a
-// tile at its second read. Measured best on an H100 (benchmarks/README.md, run X), backward
-// alone: contiguous, a unit plus half the resident CTAs, up to the larger of
+// tile at its second read. Measured best on an H100 (benchmarks/README.md,
+// run X), backward alone: contiguous, a unit plus half the resident CTAs, up to the larger of
 // a unit and the resident CTAs (0.6-1.6 points of the floor above that
 // larger one, which KernelBench L1-35's unit of 256 tiles keeps: a unit plus
 // half the CTAs was 14 points slower there); channels-last, the larger of a
@@ -102,8 +102,8 @@ void plan_backward_stream(BackwardPlan& p, const Shape& s, c10::ScalarType dtype
   p.lag = std::min(t.tiles, std::max(unit_tiles, lag > 0 ? lag : in_flight));
 }
 
-// Whether channels-last input planned as the stream backward (p) takes it
-// by default: at least as large as L2, 16-byte vectors, tiles of at least
+// Whether channels-last input at least as large as L2, planned as the stream
+// backward (p), takes it by default: 16-byte vectors, tiles of at least
 // 128 bytes of each channel (its pairs, 8 bytes a channel, stay within 1/16
 // of the tile: a row of 256 vectors leaves tiles of 8 rows), and units of at
 // most half as many tiles as the grid (the resident CTAs): at a lag of the
@@ -114,10 +114,9 @@ void plan_backward_stream(BackwardPlan& p, const Shape& s, c10::ScalarType dtype
 // shape, 2x512x16x64x64 bf16 (units of 256 tiles, as many as the resident
 // CTAs), was slower than the four launches at every lag (36-40 % against
 // 48 %): its dx items waited at short lags and missed L2 at long ones.
-bool auto_stream_channels_last(const BackwardPlan& p, const Shape& s, int device) {
-  const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
-  return bytes >= size_t(device_info(device).l2_bytes) && p.vec * int64_t(s.elem) == 16 &&
-         p.tiles.chunk * int64_t(s.elem) >= 128 && 2 * p.tiles.chunks <= p.grid;
+bool auto_stream_channels_last(const BackwardPlan& p, const Shape& s) {
+  return p.vec * int64_t(s.elem) == 16 && p.tiles.chunk * int64_t(s.elem) >= 128 &&
+         2 * p.tiles.chunks <= p.grid;
 }
 
 // Contiguous input at least as large as L2, with 16-byte vectors and rows of
@@ -140,12 +139,12 @@ BackwardPlan plan_backward(const Shape& s, c10::ScalarType dtype, uintptr_t addr
   p.channels_last = s.channels_last;
   BackwardTiles& t = p.tiles;
   const int64_t target = int64_t(device_info(device).sms) * kTilesPerSm;
+  const bool large = size_t(s.N) * s.C * s.HxW * s.elem >= size_t(device_info(device).l2_bytes);
   if (!s.channels_last) {
     p.vec = widest_vector(s.elem, addr, {s.HxW});
-    const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
-    const bool auto_stream =
-        kernel == "auto" && need_dx && bytes >= size_t(device_info(device).l2_bytes) &&
-        p.vec * int64_t(s.elem) == 16 && s.HxW / p.vec >= kStreamBackwardTileVecs;
+    const bool auto_stream = kernel == "auto" && need_dx && large &&
+                             p.vec * int64_t(s.elem) == 16 &&
+                             s.HxW / p.vec >= kStreamBackwardTileVecs;
     if (kernel == "stream" || auto_stream) {
       plan_backward_stream(p, s, dtype, device, lag, 1);
       p.why = kernel == "stream" ? "stream requested" : "input at least L2's size";
@@ -179,17 +178,15 @@ BackwardPlan plan_backward(const Shape& s, c10::ScalarType dtype, uintptr_t addr
                               blocks * stream_vec, " <= ", kBackwardThreads, ", got C = ", s.C,
                               " (kernel=\"passes\" takes any C)"));
     if (kernel == "stream" ||
-        (kernel == "auto" && need_dx && stream_cols <= kBackwardThreads &&
-         size_t(s.N) * s.C * s.HxW * s.elem >= size_t(device_info(device).l2_bytes))) {
-      p.vec = stream_vec;
-      plan_backward_stream(p, s, dtype, device, lag, blocks);
-      if (kernel == "stream" || auto_stream_channels_last(p, s, device)) {
-        p.why = kernel == "stream" ? "stream requested"
-                                   : "input at least L2's size, units of at most half the grid";
-        return p;
+        (kernel == "auto" && need_dx && large && stream_cols <= kBackwardThreads)) {
+      BackwardPlan sp = p;
+      sp.vec = stream_vec;
+      plan_backward_stream(sp, s, dtype, device, lag, blocks);
+      if (kernel == "stream" || auto_stream_channels_last(sp, s)) {
+        sp.why = kernel == "stream" ? "stream requested"
+                                    : "input at least L2's size, units of at most half the grid";
+        return sp;
       }
-      p = BackwardPlan{};
-      p.channels_last = true;
     }
     p.vec = widest_vector(s.elem, addr, {s.C});
     const int64_t cols = s.C / p.vec;
