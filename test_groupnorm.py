@@ -476,6 +476,9 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
     ((1, 8, 128, 256), 1, torch.float32, "contiguous", "registers", 0),  # 8 ranks of 512: full
     ((2, 64, 40, 50), 2, torch.float32, "channels_last", "registers", 0),
     ((2, 48, 10, 31, 7), 3, torch.float64, "channels_last", "registers", 0),
+    # the contiguous stream; its normalise items merge their unit's partials
+    # themselves ("each") when the lag is short next to the items in flight
+    # (test_gpu_forced_stream_covers_both_merges), else wait for one merge
     ((3, 12, 61, 37), 3, torch.float32, "contiguous", "stream", 0),  # ragged last piece, odd HxW
     ((1, 8, 256, 256), 1, torch.bfloat16, "contiguous", "stream", 0),  # many pieces, one unit
     ((2, 12, 33, 35), 4, torch.float64, "contiguous", "stream", 0),
@@ -484,6 +487,9 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
     ((5, 40, 50, 50), 5, torch.bfloat16, "contiguous", "stream", 10**9),  # all statistics first
     ((3, 20, 42, 41), 5, torch.float32, "contiguous", "stream", 0),  # 8-byte vectors: no L2 hint
     ((2, 12, 33, 35), 3, torch.float16, "contiguous", "stream", 0),  # single elements
+    ((16, 64, 64, 64), 8, torch.float32, "contiguous", "stream", 0),  # more items than resident: once
+    ((16, 24, 100, 99), 3, torch.bfloat16, "contiguous", "stream", 10**9),  # ragged pieces, once
+    ((2, 4, 1000, 1000), 1, torch.float32, "contiguous", "stream", 0),  # units > resident, ragged: each
     # the stream kernel over channels-last rows: a sample is the unit
     ((2, 64, 45, 45), 8, torch.float16, "channels_last", "stream", 0),  # ragged last piece
     ((1, 128, 100, 100), 64, torch.float32, "channels_last", "stream", 0),  # 20 chunks, last ragged
@@ -520,6 +526,7 @@ def test_gpu_forced_paths(case):
         total = units * pieces
         lag = int(text.split(" lag=")[1].split()[0])
         assert lag == min(total, max(pieces, team)) if team else pieces <= lag <= total, text
+        assert (" merge=" in text) == (layout == "contiguous"), text
     elif team:
         assert f"team={team} " in text, text
     for _ in range(2):  # fresh weights each time; the result must not depend on timing
@@ -529,18 +536,41 @@ def test_gpu_forced_paths(case):
 
 
 @cuda
-def test_gpu_stream_ring_of_partials_wraps():
-    # 4096 units of one piece with the shortest lag: the ring of per-piece
-    # statistics (about two slots per resident CTA) holds fewer units than
-    # there are, so units reuse slots; a wrong slot index gives wrong
-    # statistics. (The wait for a slot's previous unit is rarely reached at
-    # this lag: it is covered by the ordering argument, not forced here.)
-    x = make_input((128, 64, 32, 32), torch.float32, "contiguous", "cuda", shift=3.0)
-    text = gn.plan(x, 32, kernel="stream", team=1)
-    assert int(text.split(" slots=")[1].split()[0]) < 128 * 32, text
+def test_gpu_forced_stream_covers_both_merges():
+    # Which merge a contiguous stream plan takes depends on the device's
+    # resident CTAs; the forced cases must run both on this device.
+    merges = set()
+    for shape, groups, dtype, layout, kernel, team in FORCED:
+        if kernel == "stream" and layout == "contiguous":
+            x = torch.empty(shape, dtype=dtype, device="cuda")
+            merges.add(gn.plan(x, groups, kernel="stream", team=team).split(" merge=")[1].split()[0])
+    assert merges == {"each", "once"}, merges
+
+
+@cuda
+@pytest.mark.parametrize("shape, groups, lag, merge", [
+    ((128, 64, 32, 32), 32, 1, "each"),  # 4096 units of one piece, shortest lag
+    ((128, 64, 32, 32), 32, 0, "once"),  # the same at the default lag
+    ((64, 32, 63, 65), 8, 1, "each"),  # 512 units of 8 ragged pieces: 8 readers a slot
+])
+def test_gpu_stream_ring_of_partials_wraps(shape, groups, lag, merge):
+    # The ring of per-piece statistics (about two slots per resident CTA)
+    # holds fewer units than there are, so units reuse slots once every
+    # reader of the previous unit is done; a wrong slot index or an early
+    # reuse gives wrong statistics. (The wait for a slot is rarely reached:
+    # it is covered by the ordering argument, not forced here.)
+    x = make_input(shape, torch.float32, "contiguous", "cuda", shift=3.0)
+    text = gn.plan(x, groups, kernel="stream", team=lag)
+    assert int(text.split(" slots=")[1].split()[0]) < shape[0] * groups, text
+    assert f" merge={merge} " in text, text
     for _ in range(3):
-        check_against_reference(x, 32, *affine(64, x.dtype, "cuda", "both"), kernel="stream", team=1)
-    check_saved_statistics(x, 32, "stream", 1)
+        check_against_reference(x, groups, *affine(shape[1], x.dtype, "cuda", "both"),
+                                kernel="stream", team=lag)
+    check_saved_statistics(x, groups, "stream", lag)
+
+
+@cuda
+def test_gpu_stream_channels_last_ring_of_partials_wraps():
     # channels-last: 2048 samples of one piece each
     x = make_input((2048, 32, 16, 16), torch.float32, "channels_last", "cuda", shift=3.0)
     text = gn.plan(x, 8, kernel="stream", team=1)

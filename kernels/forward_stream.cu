@@ -11,12 +11,22 @@
 //   S(0) .. S(lag-1), S(lag) N(0), S(lag+1) N(1), ..., N(total-lag) .. N(total-1)
 //
 // so a piece is read a second time while L2 still holds it from its first
-// read, lag pieces later. The CTA whose statistics item completes a unit
-// merges the unit's pieces in piece order (deterministic), writes mean and
-// rstd and raises the unit's ready flag; a normalise item loads its piece,
-// then waits for that flag (rarely: with a lag of the larger of a unit's
-// pieces and the items in flight, and a quarter of the latter more, the unit
-// has nearly always finished).
+// read, lag pieces later. A normalise item loads its piece, then learns its
+// unit's mean and rstd in one of two ways (kEachMerges, host's choice):
+//  - once: the CTA whose statistics item completes the unit merges the unit's
+//    pieces in piece order (deterministic), writes mean and rstd and raises
+//    the unit's ready flag, which the normalise items wait for;
+//  - each: every normalise item waits until all statistics items of its unit
+//    have arrived, then merges the unit's pieces itself, in the same order
+//    (the same values: the same result); piece 0's item writes mean and rstd.
+//    No item waits on another CTA's merge, which is what a normalise item
+//    starting soon after its unit's last statistics item would do.
+// Measured on an H100 (benchmarks/README.md, run AA): "each" is 2-15 points
+// of the floor faster when fewer than three quarters of the items in flight
+// separate a unit's last statistics item from its first normalise item (the
+// completing CTA's merge is often still running then; KernelBench L1-35 by
+// default: 70 -> 75 %), and up to 4 points slower with more (its merge adds
+// latency to every normalise item).
 //
 // Tried and slower on an H200 (benchmarks/README.md): pieces staged in shared
 // memory by cp.async, three per CTA, so loads run while a CTA reduces;
@@ -30,15 +40,18 @@
 //
 // No deadlock, whatever is resident: lag >= pieces per unit puts every
 // statistics item of a unit before that unit's normalise items in ticket
-// order; a statistics item waits only for its ring slot, freed by the merge
-// of an earlier unit, whose statistics items all have smaller tickets (and
-// the merge itself never waits); and a CTA works on its tickets in the order
-// it claimed them. So the unfinished item with the smallest ticket can always
+// order; a statistics item waits only for its ring slot, freed once every
+// reader of an earlier unit has merged it (the completing CTA, or all the
+// unit's normalise items), and the host keeps slots > lag / pieces + 1, which
+// puts all those readers before the waiting item in ticket order (the merges
+// themselves never wait); and a CTA works on its tickets in the order it
+// claimed them. So the unfinished item with the smallest ticket can always
 // run. No cooperative launch is needed.
-// Extra memory: two counters per unit, and (mean, M2) per piece for `slots`
-// units in a ring: unit u writes slot u % slots once unit u - slots is
-// merged (its ready flag; slots cover the lag and the items in flight, so
-// that wait is nearly always over before it starts). The ring holds about
+// Extra memory: two counters per unit (`ready` counts the readers done with
+// its slot), and (mean, M2) per piece for `slots` units in a ring: unit u
+// writes slot u % slots once unit u - slots has been read by all (slots cover
+// the lag and the items in flight, so that wait is nearly always over before
+// it starts). The ring holds about
 // lag + 2 * grid + 2 * pieces pairs: O(N * G) plus a few pairs per piece
 // (2048 vectors: 8192 float or 16384 half elements) of one group
 // (KernelBench L1-35: 7 slots of 256 pairs).
@@ -61,7 +74,9 @@ constexpr int kStreamItems = 8;
 constexpr int kStreamPieceVecs = kStreamThreads * kStreamItems;
 constexpr int kStreamBlocksPerSm = 3;
 
-template <typename scalar_t, int V>
+// kEachMerges is a template argument: as a run-time flag, the unused merge
+// cost the other mode 1-4 points of the floor (registers; run AA).
+template <typename scalar_t, int V, bool kEachMerges>
 __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
     groupnorm_stream_kernel(const scalar_t* __restrict__ x,         // [units, L]
                             const scalar_t* __restrict__ gamma,     // [C] or nullptr
@@ -87,6 +102,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
   const int tid = threadIdx.x;
   const int64_t nvec_unit = L / V;  // host: HxW % V == 0
   const int64_t tickets = 2 * order.total;
+  const SliceCounts<A> count_of{int64_t(kPieceVecs) * V, L, 1};
+  const int readers = kEachMerges ? int(pieces) : 1;  // of a unit's ring slot
 
   if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
   __syncthreads();
@@ -111,9 +128,11 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
         v[u] = load_with_l2_priority(xr + i, stats);
       }
     }
-    // Whether this unit's ring slot is free, asked while the loads fly.
-    int slot_free = 1;
-    if (stats && tid == 0 && unit >= slots) slot_free = load_acquire(&ws.ready[unit - slots]);
+    // Whether this unit's ring slot is free (every reader is done with the
+    // unit that used it), asked while the loads fly.
+    bool slot_free = true;
+    if (stats && tid == 0 && unit >= slots)
+      slot_free = load_acquire(&ws.ready[unit - slots]) == readers;
 
     if (stats) {
       // The piece's first element as a shift keeps the float sum small for
@@ -142,9 +161,9 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
       }
       m2 = block_sum(m2, scratch);
       if (tid == 0) {
-        while (slot_free == 0) {
+        while (!slot_free) {
           __nanosleep(64);
-          slot_free = load_acquire(&ws.ready[unit - slots]);
+          slot_free = load_acquire(&ws.ready[unit - slots]) == readers;
         }
         A* slot = partial + (unit % slots) * pieces * 2;
         slot[(b % pieces) * 2 + 0] = piece_mean;
@@ -154,24 +173,41 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
         if (completes_unit) __threadfence();  // and every other piece's partial to us
       }
       __syncthreads();
-      if (completes_unit) {
-        const SliceCounts<A> count_of{int64_t(kPieceVecs) * V, L, 1};
+      if (!kEachMerges && completes_unit) {
         merge_partials(partial + (unit % slots) * pieces * 2, int(pieces), 1, 0, 1, count_of,
                        scratch, [&](int, const Stats<A>& st) {
                          mean[unit] = st.mean;
                          rstd[unit] = rsqrt(st.m2 / A(L) + eps);
                          __threadfence();
-                         store_release(&ws.ready[unit], 1);
+                         store_release(&ws.ready[unit], 1);  // results written, slot read
                        });
       }
     } else {
       // The loads above are in flight while thread 0 waits for the unit.
       if (tid == 0) {
-        while (load_acquire(&ws.ready[unit]) == 0) __nanosleep(64);
-        unit_mean = __ldcg(&mean[unit]);
-        unit_rstd = __ldcg(&rstd[unit]);
+        if constexpr (kEachMerges) {
+          while (load_acquire(&ws.arrived[unit]) < int(pieces)) __nanosleep(64);
+        } else {
+          while (load_acquire(&ws.ready[unit]) == 0) __nanosleep(64);
+          unit_mean = __ldcg(&mean[unit]);
+          unit_rstd = __ldcg(&rstd[unit]);
+        }
       }
       __syncthreads();
+      if constexpr (kEachMerges) {
+        merge_partials(partial + (unit % slots) * pieces * 2, int(pieces), 1, 0, 1, count_of,
+                       scratch, [&](int, const Stats<A>& st) {
+                         unit_mean = st.mean;
+                         unit_rstd = rsqrt(st.m2 / A(L) + eps);
+                         if (b % pieces == 0) {
+                           mean[unit] = st.mean;
+                           rstd[unit] = unit_rstd;
+                         }
+                         __threadfence();  // this reader is done with the slot
+                         atomicAdd(&ws.ready[unit], 1);
+                       });
+        __syncthreads();
+      }
       const A mu = unit_mean;
       const A rs = unit_rstd;
       const int64_t c0 = int64_t(unit % G) * D;
