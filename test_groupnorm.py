@@ -526,7 +526,7 @@ def test_gpu_forced_paths(case):
         total = units * pieces
         lag = int(text.split(" lag=")[1].split()[0])
         assert lag == min(total, max(pieces, team)) if team else pieces <= lag <= total, text
-        assert (" merge=" in text) == (layout == "contiguous"), text
+        assert " merge=" in text, text
     elif team:
         assert f"team={team} " in text, text
     for _ in range(2):  # fresh weights each time; the result must not depend on timing
@@ -536,13 +536,15 @@ def test_gpu_forced_paths(case):
 
 
 @cuda
-def test_gpu_forced_stream_covers_both_merges():
-    # Which merge a contiguous stream plan takes depends on the device's
-    # resident CTAs; the forced cases must run both on this device.
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_gpu_forced_stream_covers_both_merges(layout):
+    # Which merge a stream plan takes depends on the device's resident CTAs
+    # (contiguous) or on the unit's partials against a piece's bytes
+    # (channels-last); the forced cases must run both on this device.
     merges = set()
-    for shape, groups, dtype, layout, kernel, team in FORCED:
-        if kernel == "stream" and layout == "contiguous":
-            x = torch.empty(shape, dtype=dtype, device="cuda")
+    for shape, groups, dtype, case_layout, kernel, team in FORCED:
+        if kernel == "stream" and case_layout == layout:
+            x = make_input(shape, dtype, layout, "cuda")
             merges.add(gn.plan(x, groups, kernel="stream", team=team).split(" merge=")[1].split()[0])
     assert merges == {"each", "once"}, merges
 
@@ -570,15 +572,23 @@ def test_gpu_stream_ring_of_partials_wraps(shape, groups, lag, merge):
 
 
 @cuda
-def test_gpu_stream_channels_last_ring_of_partials_wraps():
-    # channels-last: 2048 samples of one piece each
-    x = make_input((2048, 32, 16, 16), torch.float32, "channels_last", "cuda", shift=3.0)
-    text = gn.plan(x, 8, kernel="stream", team=1)
-    assert text.startswith("stream channels_last") and " pieces=1 " in text, text
-    assert int(text.split(" slots=")[1].split()[0]) < 2048, text
+@pytest.mark.parametrize("shape, groups, dtype, merge", [
+    ((2048, 32, 16, 16), 8, torch.float32, "each"),  # 2048 units of one piece
+    ((256, 64, 32, 32), 8, torch.float32, "each"),  # two blocks a sample, 4 readers a slot
+    ((256, 64, 32, 32), 32, torch.bfloat16, "once"),  # partials too many for each to merge
+])
+def test_gpu_stream_channels_last_ring_of_partials_wraps(shape, groups, dtype, merge):
+    # As test_gpu_stream_ring_of_partials_wraps, over channels-last units
+    # (a sample, or a block of its groups), at the shortest lag.
+    x = make_input(shape, dtype, "channels_last", "cuda", shift=3.0)
+    text = gn.plan(x, groups, kernel="stream", team=1)
+    blocks = int(text.split(" blocks=")[1].split()[0]) if " blocks=" in text else 1
+    assert text.startswith("stream channels_last") and f" merge={merge} " in text, text
+    assert int(text.split(" slots=")[1].split()[0]) < shape[0] * blocks, text
     for _ in range(3):
-        check_against_reference(x, 8, *affine(32, x.dtype, "cuda", "both"), kernel="stream", team=1)
-    check_saved_statistics(x, 8, "stream", 1)
+        check_against_reference(x, groups, *affine(shape[1], x.dtype, "cuda", "both"),
+                                kernel="stream", team=1)
+    check_saved_statistics(x, groups, "stream", 1)
 
 
 def check_saved_statistics(x, groups, kernel, team):

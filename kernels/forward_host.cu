@@ -190,7 +190,7 @@ struct Plan {
   int64_t rounds = 1;          // units each team handles in turn
   int64_t lag = 0;             // stream: pieces the statistics run ahead
   int64_t slots = 0;           // stream: units whose piece statistics are kept at once
-  bool each_merges = false;    // stream, contiguous: every normalise item merges its unit
+  bool each_merges = false;    // stream: every normalise item merges its unit's partials
   int64_t chunk = 0;           // stream, channels-last: pieces per first-level merge
   int64_t grid = 0;
   size_t smem = 0;
@@ -240,8 +240,8 @@ const void* channels_last_kernel() {
   return reinterpret_cast<const void*>(&groupnorm_forward_channels_last_kernel<scalar_t, V>);
 }
 template <typename scalar_t, int V>
-const void* stream_channels_last_kernel() {
-  return reinterpret_cast<const void*>(&groupnorm_stream_channels_last_kernel<scalar_t, V>);
+const void* stream_channels_last_kernel() {  // either merge: the same residency
+  return reinterpret_cast<const void*>(&groupnorm_stream_channels_last_kernel<scalar_t, V, false>);
 }
 
 // Calls f(std::integral_constant<int, v>) for the vector widths a kernel is
@@ -411,7 +411,7 @@ void plan_stream(Plan& p, const void* kernel, int64_t pieces, int64_t piece_byte
   // often still be running (forward_stream.cu; the rule picked the faster
   // merge for 22 of 24 shape and lag pairs measured on an H100, and lost at
   // most 1.2 points of the floor on the other two).
-  p.each_merges = !rows && 4 * (p.lag - pieces) < 3 * p.grid;
+  if (!rows) p.each_merges = 4 * (p.lag - pieces) < 3 * p.grid;
 }
 
 // Partials (mean, M2 per group) of a channels-last stream piece may take at
@@ -438,6 +438,14 @@ int group_blocks(const Shape& s, int64_t max_units) {
   }
   return blocks;
 }
+
+// The most the partials a channels-last normalise item merges itself may
+// take, as a share of its piece's bytes (merge=each). Measured on an H100
+// (benchmarks/README.md, run AA): with partials of 1/128-1/32 of a piece
+// (float32, units of 16 pieces) "each" was 9-10 points of the floor faster
+// than the two-level merge; with 1/4 or more (bfloat16, 128-512 pieces of
+// 4 groups) 9-19 points slower, and slower still with narrower vectors.
+constexpr int64_t kEachMergeShare = 8;
 
 // Channels-last input at least as large as L2, with 16-byte vectors, units
 // (sample, block of groups) of kStreamMinPieces pieces or more and few enough
@@ -492,8 +500,13 @@ bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Reques
   p.threads = int((cols * rows_per_step + kWarp - 1) / kWarp * kWarp);
   p.slice = rows_per_piece;
   p.smem = stream_rows_shared_bytes(rows_per_step, int(cols), G, acc);
-  p.chunk = std::max<int64_t>(1, kChunkPartials / G);
   plan_stream(p, kernel, pieces, piece_bytes, true, device, req);
+  // Every normalise item merges its unit's piece partials itself when they
+  // are at most kEachMergeShare of its piece's bytes (one chunk: its arrival
+  // count is the unit's); else chunks of pieces are merged, then the chunks,
+  // by the CTAs that complete them (forward_stream_channels_last.cu).
+  p.each_merges = pieces * 2 * G * int64_t(acc) * kEachMergeShare <= piece_bytes;
+  p.chunk = p.each_merges ? pieces : std::max<int64_t>(1, kChunkPartials / G);
   p.why = forced ? (req.team > 0 ? "stream requested, lag forced" : "stream requested")
                  : "input at least L2's size";
   return true;
@@ -733,10 +746,8 @@ std::string describe_plan(const Plan& p) {
            " pieces=" + std::to_string(p.team) + (rows ? " rows=" : " piece=") +
            std::to_string(p.slice) + (rows ? " chunk=" + std::to_string(p.chunk) : "") +
            " lag=" + std::to_string(p.lag) + " slots=" + std::to_string(p.slots) +
-           (rows            ? ""
-            : p.each_merges ? " merge=each"
-                            : " merge=once") +
-           " grid=" + std::to_string(p.grid) + " (" + p.why + ")";
+           (p.each_merges ? " merge=each" : " merge=once") + " grid=" + std::to_string(p.grid) +
+           " (" + p.why + ")";
   }
   return std::string(kernel_name(p.kernel)) + " vec=" + std::to_string(p.vec) +
          (p.blocks > 1 ? " blocks=" + std::to_string(p.blocks) : "") +
@@ -940,11 +951,12 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
       A* chunk_partial = piece_partial + p.slots * pieces * unit_groups * 2;
       const StreamOrder order{p.units * pieces, p.lag};
       with_vec<scalar_t, kContiguousVecBytes>(p.vec, [&](auto v) {
-        groupnorm_stream_channels_last_kernel<scalar_t, decltype(v)::value>
-            <<<unsigned(p.grid), unsigned(p.threads), p.smem, stream>>>(
-                x, gamma, beta, out, mean_p, rstd_p, piece_partial, chunk_partial, ws, s.HxW,
-                int(s.C), p.blocks, unit_groups, D, p.rows_per_step, pieces, p.chunk, p.slots,
-                order, A(eps));
+        constexpr int V = decltype(v)::value;
+        auto kernel = p.each_merges ? &groupnorm_stream_channels_last_kernel<scalar_t, V, true>
+                                    : &groupnorm_stream_channels_last_kernel<scalar_t, V, false>;
+        kernel<<<unsigned(p.grid), unsigned(p.threads), p.smem, stream>>>(
+            x, gamma, beta, out, mean_p, rstd_p, piece_partial, chunk_partial, ws, s.HxW, int(s.C),
+            p.blocks, unit_groups, D, p.rows_per_step, pieces, p.chunk, p.slots, order, A(eps));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       break;

@@ -17,14 +17,19 @@
 // 38-62 % of the floor with units of 0.5-8 MiB, against 28-55 % with whole
 // samples as units (16-64 MiB) and 34-51 % for the team kernel.
 //
-// Merging: one CTA merging every partial of a large unit (a 64 MiB sample
-// without blocks: 4096 pieces x 32 groups) would hold up each normalise item
-// of that unit. The merge is two-level instead: the CTA that finishes the
-// last piece of a chunk (chunk_pieces consecutive pieces, about
-// kChunkPartials partials) merges the chunk, and the CTA that merges a
-// unit's last chunk merges the chunks, writes mean and rstd, and raises the
-// unit's ready flag. Both merges go in piece order, so the result does not
-// depend on timing.
+// Merging, in one of two ways (kEachMerges, host's choice):
+//  - each: when a unit's partials are few next to a piece's bytes, every
+//    normalise item waits until all the unit's statistics items have arrived
+//    and merges the unit's partials itself, in piece order (as in
+//    forward_stream.cu; piece 0's item writes mean and rstd);
+//  - once: one CTA merging every partial of a large unit (a 64 MiB sample
+//    without blocks: 4096 pieces x 32 groups) would hold up each normalise
+//    item of that unit, so the merge is two-level: the CTA that finishes the
+//    last piece of a chunk (chunk_pieces consecutive pieces, about
+//    kChunkPartials partials) merges the chunk, and the CTA that merges a
+//    unit's last chunk merges the chunks, writes mean and rstd, and raises
+//    the unit's ready flag, which the normalise items wait for.
+// Every merge goes in piece order, so the result does not depend on timing.
 // Extra memory: (mean, M2) per group for every piece and chunk of the
 // `slots` units in the ring (the host keeps a piece's partials under 1/16 of
 // its bytes), and two counters per unit plus one per chunk.
@@ -126,7 +131,7 @@ __device__ __forceinline__ void merge_chunk(const A* piece_partial, A* chunk_par
   }
 }
 
-template <typename scalar_t, int V>
+template <typename scalar_t, int V, bool kEachMerges>
 __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
     groupnorm_stream_channels_last_kernel(
         const scalar_t* __restrict__ x,               // [N, HxW, C]
@@ -163,6 +168,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
   const int64_t rows_per_piece = int64_t(rows_per_step) * kItems;
   const int64_t chunks = (pieces + chunk_pieces - 1) / chunk_pieces;
   const int64_t tickets = 2 * order.total;
+  const int readers = kEachMerges ? int(pieces) : 1;  // of a unit's ring slot
 
   // The ticket loop of groupnorm_stream_kernel: the next ticket is fetched
   // while this item runs. Written out in each stream kernel on purpose (also
@@ -197,8 +203,9 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         }
       }
     }
-    int slot_free = 1;
-    if (stats && tid == 0 && unit >= slots) slot_free = load_acquire(&ws.ready[unit - slots]);
+    bool slot_free = true;
+    if (stats && tid == 0 && unit >= slots)
+      slot_free = load_acquire(&ws.ready[unit - slots]) == readers;
 
     if (stats) {
       // Shift: the group's first element in the piece's first row, which
@@ -234,9 +241,9 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         red[row_lane * cols + col] = m2;
       }
       if (tid == 0) {
-        while (slot_free == 0) {
+        while (!slot_free) {
           __nanosleep(64);
-          slot_free = load_acquire(&ws.ready[unit - slots]);
+          slot_free = load_acquire(&ws.ready[unit - slots]) == readers;
         }
       }
       __syncthreads();  // the table is written and the ring slot is free
@@ -256,19 +263,41 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         if (completes_chunk) __threadfence();  // and every other piece's partial to us
       }
       __syncthreads();
-      if (completes_chunk) {
+      if (!kEachMerges && completes_chunk) {
         merge_chunk(piece_partial, chunk_partial, mean, rstd, ws, scratch, completes_unit, unit,
                     chunk, HxW, G, D, rows_per_piece, pieces, chunk_pieces, slots, eps);
       }
     } else {
       // The loads above are in flight while thread 0 waits for the unit.
       if (tid == 0) {
-        while (load_acquire(&ws.ready[unit]) == 0) __nanosleep(64);
+        if constexpr (kEachMerges) {  // one chunk: its count is the unit's
+          while (load_acquire(&ws.piece_arrived[unit * chunks]) < int(pieces)) __nanosleep(64);
+        } else {
+          while (load_acquire(&ws.ready[unit]) == 0) __nanosleep(64);
+        }
       }
       __syncthreads();
+      if constexpr (kEachMerges) {  // the unit's mean and rstd into group_sum, group_m2
+        const SliceCounts<A> piece_count{rows_per_piece, HxW, D};
+        const A count = A(HxW * D);
+        merge_partials(piece_partial + (unit % slots) * pieces * G * 2, int(pieces), G, 0, G,
+                       piece_count, scratch, [&](int g, const Stats<A>& st) {
+                         group_sum[g] = st.mean;
+                         group_m2[g] = rsqrt(st.m2 / count + eps);
+                         if (piece == 0) {
+                           mean[unit * G + g] = st.mean;
+                           rstd[unit * G + g] = group_m2[g];
+                         }
+                       });
+        __syncthreads();
+        if (tid == 0) {
+          __threadfence();  // this reader is done with the slot
+          atomicAdd(&ws.ready[unit], 1);
+        }
+      }
       if (sweeps) {
-        const A mu = __ldcg(&mean[unit * G + group]);
-        const A rs = __ldcg(&rstd[unit * G + group]);
+        const A mu = kEachMerges ? group_sum[group] : __ldcg(&mean[unit * G + group]);
+        const A rs = kEachMerges ? group_m2[group] : __ldcg(&rstd[unit * G + group]);
         ChannelAffine<A> f[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) f[e] = channel_affine(block_c0 + c0 + e, rs, gamma, beta);
