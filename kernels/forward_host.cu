@@ -441,7 +441,7 @@ int group_blocks(const Shape& s, int64_t max_units) {
 
 // The most the partials a channels-last normalise item merges itself may
 // take, as a share of its piece's bytes (merge=each). Measured on an H100
-// (benchmarks/README.md, run AA): with partials of 1/128-1/32 of a piece
+// (benchmarks/README.md, run AB): with partials of 1/128-1/32 of a piece
 // (float32, units of 16 pieces) "each" was 9-10 points of the floor faster
 // than the two-level merge; with 1/4 or more (bfloat16, 128-512 pieces of
 // 4 groups) 9-19 points slower, and slower still with narrower vectors.
