@@ -405,13 +405,6 @@ void plan_stream(Plan& p, const void* kernel, int64_t pieces, int64_t piece_byte
   p.lag = std::min(total, std::max(pieces, lag));
   // Units between the normalising and the statistics front, and one more.
   p.slots = std::min(p.units, (p.lag + 2 * p.grid + pieces - 1) / pieces + 1);
-  // Every normalise item merges its unit's partials itself when fewer than
-  // three quarters of the items in flight separate a unit's last statistics
-  // item from its first normalise item: the completing CTA's merge would
-  // often still be running (forward_stream.cu; the rule picked the faster
-  // merge for 22 of 24 shape and lag pairs measured on an H100, and lost at
-  // most 1.2 points of the floor on the other two).
-  if (!rows) p.each_merges = 4 * (p.lag - pieces) < 3 * p.grid;
 }
 
 // Partials (mean, M2 per group) of a channels-last stream piece may take at
@@ -686,8 +679,15 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
       p.threads = kStreamThreads;
       p.slice = piece_vecs;
       p.smem = 0;
-      plan_stream(p, stream_k, (items + piece_vecs - 1) / piece_vecs,
-                  piece_vecs * int64_t(p.vec * s.elem), false, device, req);
+      const int64_t pieces = (items + piece_vecs - 1) / piece_vecs;
+      plan_stream(p, stream_k, pieces, piece_vecs * int64_t(p.vec * s.elem), false, device, req);
+      // Every normalise item merges its unit's partials itself when fewer
+      // than three quarters of the items in flight separate a unit's last
+      // statistics item from its first normalise item: the completing CTA's
+      // merge would often still be running (forward_stream.cu; the rule
+      // picked the faster merge for 22 of 24 shape and lag pairs measured on
+      // an H100, and lost at most 1.2 points of the floor on the other two).
+      p.each_merges = 4 * (p.lag - pieces) < 3 * p.grid;
       p.why = auto_stream    ? "input at least L2's size"
               : req.team > 0 ? "stream requested, lag forced"
                              : "stream requested";

@@ -25,7 +25,7 @@
 // of the floor faster when fewer than three quarters of the items in flight
 // separate a unit's last statistics item from its first normalise item (the
 // completing CTA's merge is often still running then; KernelBench L1-35 by
-// default: 70 -> 75 %), and up to 4 points slower with more (its merge adds
+// default: 70 -> 79 %), and up to 4 points slower with more (its merge adds
 // latency to every normalise item).
 //
 // Tried and slower on an H200 (benchmarks/README.md): pieces staged in shared
