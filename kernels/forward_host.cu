@@ -469,12 +469,10 @@ bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Reques
   if (cols > kStreamThreads) return false;
   const size_t acc = sizeof(acc_t<scalar_t>);
   const int rows_per_step = int(kStreamThreads / cols);
-  int64_t rows_per_piece = 0;
+  const int64_t rows_per_piece = int64_t(rows_per_step) * kStreamItems;
   const void* kernel = nullptr;
-  with_vec<scalar_t, kContiguousVecBytes>(v, [&](auto vv) {
-    rows_per_piece = int64_t(rows_per_step) * stream_items<decltype(vv)::value>();
-    kernel = stream_channels_last_kernel<scalar_t, decltype(vv)::value>();
-  });
+  with_vec<scalar_t, kContiguousVecBytes>(
+      v, [&](auto vv) { kernel = stream_channels_last_kernel<scalar_t, decltype(vv)::value>(); });
   const int64_t pieces = (s.HxW + rows_per_piece - 1) / rows_per_piece;
   const int64_t piece_bytes = rows_per_piece * unit_C * int64_t(s.elem);
   const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;

@@ -36,33 +36,24 @@
 //
 // Threads: cols = C / blocks / V threads cover a unit's part of a row, V
 // channels each, rows_per_step rows side by side; each thread holds
-// stream_items<V>() rows of its column in registers. V divides C / G, so a thread's channels lie in
-// one group and it keeps one sum, like the contiguous kernel: per-channel sums (V of each) spilled
-// and made the kernel bound by instructions, not memory.
+// kStreamItems rows of its column in registers (16-bit elements packed as
+// words until used, as in the contiguous kernel). V divides C / G, so a
+// thread's channels lie in one group and it keeps one sum, like the
+// contiguous kernel: per-channel sums (V of each) spilled and made the kernel
+// bound by instructions, not memory.
+//
+// Every 16-byte load carries an L2 priority (load_with_l2_priority).
+// Measured on an H100 (benchmarks/README.md, run AC): with 8 packed rows and
+// hints, half and bfloat16 went from 42-49 to 51-64 % of the floor
+// (4x512x128x128 bf16: 45 -> 59 %); 4 unpacked rows (the earlier form, sized
+// so their float conversions fit the registers) were slower with hints than
+// without, and 8 packed rows without hints 1-4 points slower than with.
 #pragma once
 
 #include "common.cuh"
 #include "forward_stream.cu"
 
 namespace groupnorm {
-
-// Rows per thread per piece, held in registers: 8, or 4 for 8-element
-// vectors (half, bfloat16), whose float conversions would double the
-// registers and halve the CTAs per SM.
-template <int V>
-constexpr int stream_items() {
-  return V >= 8 ? 4 : 8;
-}
-// Whether the 16-byte loads of a piece carry L2 eviction priorities
-// (load_with_l2_priority). Measured on an H200 on the contiguous stream kernel
-// when it shared these constants (benchmarks/README.md): 1-4 % faster with
-// 4-element vectors (float), about 10 % slower with 8-element ones (half,
-// bfloat16) at 4 rows a thread. The contiguous kernel has since taken 8
-// vectors and hints for every width (run T); not re-measured here.
-template <int V>
-constexpr bool stream_l2_hints() {
-  return V < 8;
-}
 
 // Partials a chunk merge reads: few enough that one CTA merges them in a
 // couple of load round trips (eight threads a group for 32 groups).
@@ -149,7 +140,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
   // G groups of D.
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
-  constexpr int kItems = stream_items<V>();
+  using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
+  constexpr int kItems = kStreamItems;
   extern __shared__ __align__(16) unsigned char smem[];
   const int unit_C = C / blocks;
   const int cols = unit_C / V;
@@ -192,14 +184,13 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
     const int64_t n = unit / blocks;
     const int block_c0 = int(unit - n * blocks) * unit_C;
     const scalar_t* first = x + ((n * HxW + row0) * C + block_c0);  // the piece's first row
-    VecT v[kItems];
+    Raw v[kItems];
     if (sweeps) {
 #pragma unroll
       for (int u = 0; u < kItems; ++u) {
         const int r = row_lane + u * rows_per_step;
         if (r < rows) {
-          const VecT* p = reinterpret_cast<const VecT*>(first + r * C + c0);
-          v[u] = stream_l2_hints<V>() ? load_with_l2_priority(p, stats) : *p;
+          v[u] = load_with_l2_priority(reinterpret_cast<const Raw*>(first + r * C + c0), stats);
         }
       }
     }
@@ -218,7 +209,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         for (int u = 0; u < kItems; ++u) {
           if (row_lane + u * rows_per_step < rows) {
 #pragma unroll
-            for (int e = 0; e < V; ++e) sum += static_cast<A>(v[u].val[e]) - shift;
+            for (int e = 0; e < V; ++e) sum += static_cast<A>(as_vec<VecT>(v[u]).val[e]) - shift;
           }
         }
         red[row_lane * cols + col] = sum;
@@ -233,7 +224,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
           if (row_lane + u * rows_per_step < rows) {
 #pragma unroll
             for (int e = 0; e < V; ++e) {
-              const A d = static_cast<A>(v[u].val[e]) - m;
+              const A d = static_cast<A>(as_vec<VecT>(v[u]).val[e]) - m;
               m2 += d * d;
             }
           }
@@ -309,8 +300,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
             VecT out;
 #pragma unroll
             for (int e = 0; e < V; ++e) {
-              out.val[e] = static_cast<scalar_t>((static_cast<A>(v[u].val[e]) - mu) * f[e].scale +
-                                                 f[e].shift);
+              out.val[e] = static_cast<scalar_t>(
+                  (static_cast<A>(as_vec<VecT>(v[u]).val[e]) - mu) * f[e].scale + f[e].shift);
             }
             store_vec_streaming<scalar_t, V>(ys + r * C, out);
           }
