@@ -630,11 +630,11 @@ def test_gpu_plan_chooses_stream_above_l2_size():
 
 @cuda
 def test_gpu_plan_chooses_row_stream_for_large_channels_last():
-    # channels-last inputs at least as large as L2 stream over rows (units of
-    # 0.5 MiB here: 8 blocks of 4 groups a sample); smaller ones, narrower
-    # vectors than 16 bytes (G=256: 4-byte, G=512: single elements) and a
-    # single unit keep the team kernel; a single sample streams when it makes
-    # several units of at most a quarter of L2
+    # channels-last inputs of at least an eighth of L2 stream over rows
+    # (units of 0.5 MiB here: 8 blocks of 4 groups a sample); smaller ones,
+    # narrower vectors than 16 bytes (G=256: 4-byte, G=512: single elements)
+    # and a single unit keep the registers or team kernels; a single sample
+    # streams when it makes several units of at most a quarter of L2
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     x = make_input((16, 512, 64, 64), torch.bfloat16, "channels_last", "cuda", shift=1000.0)
     assert x.numel() * 2 >= l2
@@ -642,7 +642,8 @@ def test_gpu_plan_chooses_row_stream_for_large_channels_last():
     assert text.startswith("stream channels_last"), text
     check_against_reference(x, 32, *affine(512, x.dtype, "cuda", "both"))
     check_saved_statistics(x, 32, "auto", 0)
-    assert not gn.plan(x[:2], 32).startswith("stream"), gn.plan(x[:2], 32)
+    assert 8 * x[:2].numel() * 2 >= l2 and gn.plan(x[:2], 32).startswith("stream channels_last")
+    assert 8 * x[:1].numel() * 2 < l2 and not gn.plan(x[:1], 32).startswith("stream")
     assert gn.plan(x, 256).startswith("channels_last"), gn.plan(x, 256)
     assert gn.plan(x, 512).startswith("channels_last"), gn.plan(x, 512)
     one_sample = torch.empty(1, 512, 256, 256, device="cuda", dtype=torch.bfloat16)
@@ -683,7 +684,7 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
                                          ((8, 1280, 8, 8), 32, torch.bfloat16, "contiguous"),
                                          ((4, 32, 8, 8), 8, torch.float32, "contiguous"),
                                          ((4, 512, 64, 64), 32, torch.float16, "contiguous"),
-                                         ((4, 512, 64, 64), 32, torch.float16, "channels_last")]:
+                                         ((1, 512, 64, 64), 32, torch.float16, "channels_last")]:
         x = make_input(shape, dtype, layout, "cuda", shift=1000.0)
         text = gn.plan(x, groups)
         assert text.startswith("registers"), text
@@ -700,9 +701,10 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
         check_saved_statistics(x, 32, "auto", 0)
     else:
         assert text.startswith("channels_last"), text
-    # Groups of 1 MiB (more than a cluster holds): a team kernel.
-    x = make_input((1, 512, 128, 128), torch.float32, "channels_last", "cuda")
-    assert gn.plan(x, 16).startswith("channels_last"), gn.plan(x, 16)
+    # Groups of 2 MiB (more than a cluster holds) of an input under an eighth
+    # of L2: a team kernel.
+    x = make_input((1, 64, 128, 128), torch.float32, "channels_last", "cuda")
+    assert gn.plan(x, 2).startswith("channels_last"), gn.plan(x, 2)
     # 64 KiB groups of an input at least as large as L2: these take a whole
     # SM each (16 vectors a thread), so the stream kernel keeps them.
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
@@ -714,6 +716,15 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
     big = make_input((512, 1280, 8, 8), torch.bfloat16, "channels_last", "cuda")
     assert big.numel() * 2 >= l2
     assert not gn.plan(big, 32).startswith("registers"), gn.plan(big, 32)
+    # Channels-last input between an eighth of L2 and L2: the stream kernel
+    # where its units have many pieces (16 here), the registers kernel where
+    # they have one or two (pieces of 256 rows; 16x16 rows a sample).
+    mid = make_input((16, 256, 64, 64), torch.bfloat16, "channels_last", "cuda", shift=4.0)
+    assert l2 <= 8 * mid.numel() * 2 < 8 * l2
+    assert gn.plan(mid, 32).startswith("stream channels_last"), gn.plan(mid, 32)
+    check_against_reference(mid, 32, *affine(256, mid.dtype, "cuda", "both"))
+    deep = make_input((32, 1280, 16, 16), torch.float16, "channels_last", "cuda")
+    assert l2 <= 8 * deep.numel() * 2 and gn.plan(deep, 32).startswith("registers"), gn.plan(deep, 32)
     # Forced on a group larger than a cluster holds: a clear error.
     big = torch.randn(1, 16, 128, 256, device="cuda")
     with pytest.raises(RuntimeError, match="registers kernel holds at most 8192 vectors per group "

@@ -440,10 +440,17 @@ int group_blocks(const Shape& s, int64_t max_units) {
 // 4 groups) 9-19 points slower, and slower still with narrower vectors.
 constexpr int64_t kEachMergeShare = 8;
 
-// Channels-last input at least as large as L2, with 16-byte vectors, units
-// (sample, block of groups) of kStreamMinPieces pieces or more and few enough
-// groups takes the stream kernel over rows (forward_stream_channels_last.cu);
+// Channels-last input of at least an eighth of L2, with 16-byte vectors,
+// units (sample, block of groups) of kStreamMinPieces pieces or more and few
+// enough groups takes the stream kernel over rows
+// (forward_stream_channels_last.cu), before the registers and team kernels;
 // `kernel="stream"` forces it for any shape whose unit's row fits one block.
+// Why an eighth (benchmarks/README.md, run AC, H100): from 8 to 48 MiB, on
+// units of 16 pieces or more, the stream beat the registers and team kernels
+// by 1-23 points of the floor (16x256x64x64 bf16: 32 -> 54 %) except on two
+// float32 shapes (2x256x64x64 and 4x256x64x64: 1.5 and 2.7 points slower);
+// at 4 MiB it was 0.6 points slower, and on units of 1-2 pieces (the SD UNet
+// deep blocks at larger batches) far slower, which kStreamMinPieces excludes.
 // Blocks: as many as the groups allow with rows of at least
 // kMinBlockRowBytes, the smallest units that still read whole 128-byte lines.
 // Measured on an H100 (benchmarks/README.md, run U): 38-56 % of the floor
@@ -479,7 +486,7 @@ bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Reques
   const size_t l2 = size_t(device_info(device).l2_bytes);
   const size_t unit_bytes = bytes / size_t(s.N * blocks);
   const bool chosen =
-      forced || (bytes >= l2 && s.N * blocks >= 2 && (s.N >= 2 || unit_bytes <= l2 / 4) &&
+      forced || (8 * bytes >= l2 && s.N * blocks >= 2 && (s.N >= 2 || unit_bytes <= l2 / 4) &&
                  v * int64_t(s.elem) == 16 && pieces >= kStreamMinPieces &&
                  2 * G * int64_t(acc) * kMaxPartialShare <= piece_bytes);
   if (!chosen) return false;
@@ -499,7 +506,7 @@ bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Reques
   p.each_merges = pieces * 2 * G * int64_t(acc) * kEachMergeShare <= piece_bytes;
   p.chunk = p.each_merges ? pieces : std::max<int64_t>(1, kChunkPartials / G);
   p.why = forced ? (req.team > 0 ? "stream requested, lag forced" : "stream requested")
-                 : "input at least L2's size";
+                 : "input at least an eighth of L2's size";
   return true;
 }
 
@@ -629,7 +636,7 @@ bool plan_registers(Plan& p, const Shape& s, int device, const Request& req) {
 // kStreamMinPieces pieces or more (its second read of x then comes
 // from L2 while the team kernel waits at team barriers; measured on an H200 in
 // benchmarks/README.md), the contiguous team kernel otherwise. Channels-last
-// input at least as large as L2 takes the stream kernel over rows on the
+// input of at least an eighth of L2 takes the stream kernel over rows on the
 // terms of plan_stream_channels_last (16-byte vectors, units of blocks of
 // groups), the channels-last team kernel otherwise, unless
 // C is too wide for one thread per column (then the reference kernel, which
@@ -651,6 +658,7 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
       s.channels_last ? req.kernel != "contiguous" : req.kernel != "channels_last",
       message("groupnorm: kernel '", req.kernel, "' does not match the input's layout (",
               s.channels_last ? "channels_last" : "contiguous", ")"));
+  if (!want_ref && plan_stream_channels_last<scalar_t>(p, s, device, req)) return p;
   if (!want_ref && plan_registers<scalar_t>(p, s, device, req)) return p;
   if (!want_ref && !s.channels_last) {
     p.kernel = Kernel::Contiguous;
@@ -694,7 +702,6 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
     plan_teams(p, k, device, items, p.vec * s.elem, 1, p.threads, acc, req);
     return p;
   }
-  if (!want_ref && plan_stream_channels_last<scalar_t>(p, s, device, req)) return p;
   if (!want_ref) {
     const int blocks = channels_last_blocks(s, device);
     const int64_t C = s.C / blocks;  // a unit's channels
