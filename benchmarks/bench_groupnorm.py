@@ -5,7 +5,9 @@
 One process, one GPU. For every case: median time of each provider
 (triton.testing.do_bench, after warm-up), the bytes a GroupNorm must move
 (forward: x read once, y written once), that as GB/s and as % of this
-device's copy bandwidth measured in the same run, and the speed-ups.
+device's copy bandwidth measured in the same run, and the speed-ups; and,
+for the forward, a copy of x (x.clone()) timed the same way: the ceiling at
+that size, where launch and ramp weigh on small inputs.
 --training times forward + backward (dx, dweight, dbias; floor: 5 x the
 input's bytes) and, in a second table, the backward alone (floor: read x and
 dy, write dx). torch.compile is compiled afresh per case (dynamo reset), so
@@ -157,6 +159,10 @@ def run_case(name, shape, groups, dtype, layout, copy_bw, budget):
         ms = median_ms(ours_fn)
         eager = median_ms(eager_fn)
         comp = median_ms(compile_fn)
+        # A copy of x, timed the same way: what one read and one write of
+        # this many bytes reach at this size (launch and ramp included), the
+        # ceiling no GroupNorm can pass.
+        clone = median_ms(rotating(lambda t: t.clone(), inputs))
         ms_again = median_ms(ours_fn)
         if walled:
             wall["compile"] = wall_us(compile_fn)
@@ -172,7 +178,7 @@ def run_case(name, shape, groups, dtype, layout, copy_bw, budget):
                                               else torch.channels_last_3d), groups),
         "bytes": nbytes, "floor_ms": nbytes / copy_bw * 1e3,
         "ms": {"groupnorm_inline": ms, "eager": eager, "compile": comp},
-        "ms_repeat": ms_again, "max_abs_err_vs_float64": err, "wall_us": wall,
+        "clone_ms": clone, "ms_repeat": ms_again, "max_abs_err_vs_float64": err, "wall_us": wall,
     }
 
 
@@ -233,13 +239,15 @@ def pct(row, provider):
 
 
 def markdown(rows, meta):
+    cloned = bool(rows) and "clone_ms" in rows[0]
     lines = [
         f"Card: {meta['device']} · torch {meta['torch']} · CUDA {meta['cuda']} · {meta['date']} · "
         f"copy bandwidth {meta['copy_GBps']:.0f} GB/s (read + write, measured in this run)",
         "",
         f"| case{' (forward + backward)' if rows and rows[0].get('pass') else ''} | shape | G | dtype | layout | ours ms | eager ms | compile ms | ours GB/s | "
-        "% of copy BW (ours / eager / compile) | × eager | × compile |",
-        "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
+        "% of copy BW (ours / eager / compile) |" + (" x.clone() % |" if cloned else "") +
+        " × eager | × compile |",
+        "|---|---|---|---|---|---:|---:|---:|---:|---:|" + ("---:|" if cloned else "") + "---:|---:|",
     ]
     for r in rows:
         ms = r["ms"]
@@ -247,8 +255,12 @@ def markdown(rows, meta):
             f"| {r['name']} | {'×'.join(map(str, r['shape']))} | {r['G']} | {r['dtype']} | {r['layout']} | "
             f"{ms['groupnorm_inline']:.4f} | {ms['eager']:.4f} | {ms['compile']:.4f} | "
             f"{r['bytes'] / ms['groupnorm_inline'] / 1e6:.0f} | "
-            f"{pct(r, 'groupnorm_inline'):.0f} / {pct(r, 'eager'):.0f} / {pct(r, 'compile'):.0f} | "
+            f"{pct(r, 'groupnorm_inline'):.0f} / {pct(r, 'eager'):.0f} / {pct(r, 'compile'):.0f} | " +
+            (f"{100 * r['floor_ms'] / r['clone_ms']:.0f} | " if cloned else "") +
             f"{ms['eager'] / ms['groupnorm_inline']:.2f} | {ms['compile'] / ms['groupnorm_inline']:.2f} |")
+    if cloned:
+        lines += ["", "x.clone() %: a copy of x timed the same way, as % of the floor: what one read "
+                  "and one write of that many bytes reach at that size, launch included."]
     ge = math.exp(sum(math.log(r["ms"]["eager"] / r["ms"]["groupnorm_inline"]) for r in rows) / len(rows))
     gc = math.exp(sum(math.log(r["ms"]["compile"] / r["ms"]["groupnorm_inline"]) for r in rows) / len(rows))
     lines += ["", f"Geometric mean speed-up: {ge:.2f}× eager, {gc:.2f}× torch.compile ({len(rows)} cases)."]
