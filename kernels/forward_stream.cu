@@ -35,8 +35,10 @@
 // at half this kernel's speed. On an H100: pieces kept in shared memory (bulk
 // copies into a ring of slots) until their unit is ready, bound by the global
 // round trips each piece costs its CTA (KernelBench L1-35: 39-67 % of the
-// floor against 70 %). The limit of this kernel (Nsight Compute on an H100):
-// 60-75 % of second reads miss L2, 1.6-1.7x the input read from DRAM.
+// floor against 70 %). The limit of this kernel (Nsight Compute on an H100,
+// run AC): it reads 1.08-1.16x the input from DRAM (most second reads hit
+// L2; 1.6-1.7x in run N, before the changes of runs S-AA), but keeps DRAM
+// busy only 50-68 % of the time.
 //
 // No deadlock, whatever is resident: lag >= pieces per unit puts every
 // statistics item of a unit before that unit's normalise items in ticket
