@@ -402,7 +402,7 @@ GPU_SHAPES = [  # (shape, groups): awkward on purpose
     ((5, 1280, 8, 8), 32),      # float32 channels-last: 16-byte columns to fit a block
     ((2, 2560, 4, 4), 32),
     ((1, 128, 129, 67), 32),
-    ((1, 64, 256, 256), 4),     # large groups: several CTAs per group
+    ((1, 64, 256, 256), 4),     # large groups: several CTAs per group, or the stream
     ((2, 512, 3, 64, 64), 32),  # video-like 3-D
 ]
 
@@ -642,8 +642,10 @@ def test_gpu_plan_chooses_row_stream_for_large_channels_last():
     assert text.startswith("stream channels_last"), text
     check_against_reference(x, 32, *affine(512, x.dtype, "cuda", "both"))
     check_saved_statistics(x, 32, "auto", 0)
-    assert 8 * x[:2].numel() * 2 >= l2 and gn.plan(x[:2], 32).startswith("stream channels_last")
-    assert 8 * x[:1].numel() * 2 < l2 and not gn.plan(x[:1], 32).startswith("stream")
+    assert 8 * x[:2].numel() * 2 >= l2, l2
+    assert gn.plan(x[:2], 32).startswith("stream channels_last"), gn.plan(x[:2], 32)
+    assert 8 * x[:1].numel() * 2 < l2, l2
+    assert not gn.plan(x[:1], 32).startswith("stream"), gn.plan(x[:1], 32)
     assert gn.plan(x, 256).startswith("channels_last"), gn.plan(x, 256)
     assert gn.plan(x, 512).startswith("channels_last"), gn.plan(x, 512)
     one_sample = torch.empty(1, 512, 256, 256, device="cuda", dtype=torch.bfloat16)
@@ -718,7 +720,7 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
     assert not gn.plan(big, 32).startswith("registers"), gn.plan(big, 32)
     # Channels-last input between an eighth of L2 and L2: the stream kernel
     # where its units have many pieces (16 here), the registers kernel where
-    # they have one or two (pieces of 256 rows; 16x16 rows a sample).
+    # they have fewer than 8 (2 here: 256 rows a sample, pieces of 200).
     mid = make_input((16, 256, 64, 64), torch.bfloat16, "channels_last", "cuda", shift=4.0)
     assert l2 <= 8 * mid.numel() * 2 < 8 * l2
     assert gn.plan(mid, 32).startswith("stream channels_last"), gn.plan(mid, 32)

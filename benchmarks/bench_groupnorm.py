@@ -239,7 +239,7 @@ def pct(row, provider):
 
 
 def markdown(rows, meta):
-    cloned = bool(rows) and "clone_ms" in rows[0]
+    cloned = bool(rows) and all("clone_ms" in r for r in rows)
     lines = [
         f"Card: {meta['device']} · torch {meta['torch']} · CUDA {meta['cuda']} · {meta['date']} · "
         f"copy bandwidth {meta['copy_GBps']:.0f} GB/s (read + write, measured in this run)",

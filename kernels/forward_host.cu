@@ -542,6 +542,10 @@ const void* registers_kernel() {
 // 0.137 for the team kernel, whose CTAs read whole rows; the many-items form
 // runs one CTA per SM, unmeasured against the stream kernel there.
 //
+// Channels-last inputs of at least an eighth of L2 whose units the stream
+// kernel takes never get here (choose_plan asks plan_stream_channels_last
+// first).
+//
 // Larger groups, up to kRegistersMaxRanks * kRegistersMaxThreads *
 // kRegistersManyItems vectors, can be shared by a cluster of `ranks` CTAs
 // where the device has clusters: kRegistersClusterThreads threads each (two
@@ -631,16 +635,17 @@ bool plan_registers(Plan& p, const Shape& s, int device, const Request& req) {
   return true;
 }
 
-// Which kernel runs for this shape, and why. Contiguous input takes the
-// stream kernel when it is at least as large as L2 and its groups have
-// kStreamMinPieces pieces or more (its second read of x then comes
-// from L2 while the team kernel waits at team barriers; measured on an H200 in
-// benchmarks/README.md), the contiguous team kernel otherwise. Channels-last
-// input of at least an eighth of L2 takes the stream kernel over rows on the
-// terms of plan_stream_channels_last (16-byte vectors, units of blocks of
-// groups), the channels-last team kernel otherwise, unless
-// C is too wide for one thread per column (then the reference kernel, which
-// reads any layout). The fast kernels use 16-byte accesses where the
+// Which kernel runs for this shape, and why. Channels-last input of at least
+// an eighth of L2 takes the stream kernel over rows first, on the terms of
+// plan_stream_channels_last (16-byte vectors, units of blocks of groups);
+// then groups that fit take the registers kernel (plan_registers). Other
+// contiguous input takes the stream kernel when it is at least as large as
+// L2 and its groups have kStreamMinPieces pieces or more (its second read of
+// x then comes from L2 while the team kernel waits at team barriers; measured
+// on an H200 in benchmarks/README.md), the contiguous team kernel otherwise;
+// other channels-last input the channels-last team kernel, unless C is too
+// wide for one thread per column (then the reference kernel, which reads any
+// layout). The fast kernels use 16-byte accesses where the
 // address, C/G and HxW allow, narrower ones otherwise.
 template <typename scalar_t>
 Plan choose_plan(const Shape& s, int device, const Request& req) {

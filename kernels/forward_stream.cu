@@ -68,7 +68,8 @@ constexpr int kStreamThreads = 256;
 // Vectors per thread per piece, held in registers (16-bit elements packed as
 // words until used), at three CTAs per SM without spills (double spills
 // 36-104 bytes, a dtype no suite shape uses): 2048-vector
-// pieces, 32 KiB with 16-byte vectors. Measured on an H100
+// pieces, 32 KiB with 16-byte vectors. The channels-last stream kernel holds
+// as many rows a thread (its 16-bit merge=once form spills 16 bytes). Measured on an H100
 // (benchmarks/README.md): for half and bfloat16, 8 vectors with L2 priorities
 // on every load were 9-12 points of the floor faster than the 4 unhinted
 // vectors at four CTAs per SM measured best on an H200 before the words.
