@@ -386,10 +386,16 @@ constexpr int64_t kStreamMinPieces = 8;
 // unit and the resident CTAs plus a quarter of the latter (the sum of the
 // two, or a quarter of L2 more, was up to 2 points of the floor slower on
 // KernelBench L1-35); for channels-last rows (`rows`) on an H200, a unit plus
-// the larger of the resident CTAs and a quarter of L2. The caller sets the
-// kernel, threads, slice and shared memory.
+// the larger of the resident CTAs and a quarter of L2 (a "front"), and on an
+// H100 (run AC) a unit plus three fronts where a unit's partials are merged
+// once: the two-level merge holds up the unit's first normalise items, and
+// the longer lag was 1.2-2.8 points of the floor faster on all six such
+// shapes measured (the video shape in channels-last: 55.0 -> 56.7 %), while
+// one front stayed best where every normalise item merges (three fronts were
+// 5-7 points slower on the two such shapes measured).
+// The caller sets the kernel, threads, slice and shared memory.
 void plan_stream(Plan& p, const void* kernel, int64_t pieces, int64_t piece_bytes, bool rows,
-                 int device, const Request& req) {
+                 int fronts, int device, const Request& req) {
   const DeviceInfo& dev = device_info(device);
   const int64_t total = p.units * pieces;
   p.team = int(pieces);
@@ -399,7 +405,7 @@ void plan_stream(Plan& p, const void* kernel, int64_t pieces, int64_t piece_byte
   p.grid = std::min({resident, 2 * total, kMaxGrid});
   const int64_t l2_pieces = int64_t(dev.l2_bytes) / 4 / piece_bytes;
   const int64_t lag = req.team > 0 ? req.team
-                      : rows       ? pieces + std::max(resident, l2_pieces)
+                      : rows       ? pieces + fronts * std::max(resident, l2_pieces)
                                    : std::max(pieces, resident) + resident / 4;
   // lag >= pieces keeps the ticket order deadlock-free (stream_order.cuh).
   p.lag = std::min(total, std::max(pieces, lag));
@@ -498,13 +504,13 @@ bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Reques
   p.threads = int((cols * rows_per_step + kWarp - 1) / kWarp * kWarp);
   p.slice = rows_per_piece;
   p.smem = stream_rows_shared_bytes(rows_per_step, int(cols), G, acc);
-  plan_stream(p, kernel, pieces, piece_bytes, true, device, req);
   // Every normalise item merges its unit's piece partials itself when they
   // are at most kEachMergeShare of its piece's bytes (one chunk: its arrival
   // count is the unit's); else chunks of pieces are merged, then the chunks,
   // by the CTAs that complete them (forward_stream_channels_last.cu).
   p.each_merges = pieces * 2 * G * int64_t(acc) * kEachMergeShare <= piece_bytes;
   p.chunk = p.each_merges ? pieces : std::max<int64_t>(1, kChunkPartials / G);
+  plan_stream(p, kernel, pieces, piece_bytes, true, p.each_merges ? 1 : 3, device, req);
   p.why = forced ? (req.team > 0 ? "stream requested, lag forced" : "stream requested")
                  : "input at least an eighth of L2's size";
   return true;
@@ -691,7 +697,7 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
       p.slice = piece_vecs;
       p.smem = 0;
       const int64_t pieces = (items + piece_vecs - 1) / piece_vecs;
-      plan_stream(p, stream_k, pieces, piece_vecs * int64_t(p.vec * s.elem), false, device, req);
+      plan_stream(p, stream_k, pieces, piece_vecs * int64_t(p.vec * s.elem), false, 1, device, req);
       // Every normalise item merges its unit's partials itself when fewer
       // than three quarters of the items in flight separate a unit's last
       // statistics item from its first normalise item: the completing CTA's
