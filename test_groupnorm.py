@@ -454,6 +454,8 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
     ((3, 1280, 5, 7), 40, torch.float16, "channels_last", "channels_last", 3),  # 10 blocks, teams
     ((2, 768, 9, 11), 24, torch.bfloat16, "channels_last", "channels_last", 0),  # 6 blocks
     ((2, 192, 6, 6), 12, torch.float64, "channels_last", "channels_last", 2),  # 6 blocks, 1-element vectors
+    ((2, 21, 17, 19), 3, torch.float32, "channels_last", "channels_last", 3),  # 4-byte async copies
+    ((2, 21, 17, 19), 3, torch.float16, "channels_last", "channels_last", 2),  # 2 bytes: plain copies
     ((2, 12, 33, 35), 4, torch.float64, "contiguous", "contiguous", 6),
     # one CTA per group, the group in registers, either layout
     ((8, 1280, 8, 8), 32, torch.bfloat16, "channels_last", "registers", 0),  # SD UNet deepest

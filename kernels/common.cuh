@@ -57,6 +57,69 @@ __device__ __forceinline__ void store_vec_streaming(T* p, const Vec<T, V>& v) {
   }
 }
 
+// Starts copying one vector from global to shared memory without passing
+// through registers (cp.async, sm_80 and later), so that a CTA can put its
+// whole kept slice in flight at once rather than the few vectors its
+// registers hold. Plain copies on older devices and for 2-byte vectors,
+// which cp.async does not move. No L2 eviction hint: marking the copied
+// lines evict-first made KernelBench L2-92 slower on an H100 (80 -> 75 % of
+// the floor; 82 % without the hint, benchmarks/README.md, run AD).
+// copy_to_shared_wait() completes this thread's copies; each thread reads
+// back only what it copied, so no barrier is needed before it does.
+template <typename VecT>
+__device__ __forceinline__ void copy_to_shared_async(VecT* dst, const VecT* src) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (sizeof(VecT) == 4 || sizeof(VecT) == 8 || sizeof(VecT) == 16) {
+    const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    if constexpr (sizeof(VecT) == 16) {
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" : : "r"(to), "l"(src) : "memory");
+    } else {
+      asm volatile("cp.async.ca.shared.global [%0], [%1], %2;"
+                   :
+                   : "r"(to), "l"(src), "n"(int(sizeof(VecT)))
+                   : "memory");
+    }
+    return;
+  }
+#endif
+  *dst = *src;
+}
+
+__device__ __forceinline__ void copy_to_shared_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#endif
+}
+
+// Calls f(v, i) (or f(v)) for the vectors at xs + i * stride, i = begin,
+// begin + step, ... < end, with kInFlight loads issued before the first use:
+// input not kept on chip comes from L2 or DRAM, where one load at a time
+// would leave the memory pipe idle.
+template <int kInFlight, typename scalar_t, int V, typename F>
+__device__ __forceinline__ void load_each(const scalar_t* xs, int64_t stride, int64_t begin,
+                                          int64_t end, int step, F&& f) {
+  using VecT = Vec<scalar_t, V>;
+  for (int64_t i0 = begin; i0 < end; i0 += int64_t(kInFlight) * step) {
+    VecT v[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t i = i0 + int64_t(u) * step;
+      if (i < end) v[u] = load_vec<scalar_t, V>(xs + i * stride);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const int64_t i = i0 + int64_t(u) * step;
+      if (i < end) {
+        if constexpr (std::is_invocable_v<F, const VecT&, int64_t>) {
+          f(v[u], i);
+        } else {
+          f(v[u]);
+        }
+      }
+    }
+  }
+}
+
 // n / d for 0 <= n < 2^31 with a multiply and a shift (as c10's IntDivider).
 struct FastDivider {
   uint32_t magic, shift;

@@ -21,11 +21,16 @@
 
 namespace groupnorm {
 
-constexpr int kChannelsLastMaxThreads = 512;  // and at most 64 registers a thread
+// Threads a CTA may have. The launch bounds ask for one such CTA per SM, so
+// up to 128 registers a thread: at two (64 registers) the kernel spilled
+// 72-400 bytes a thread, and on an H100 the single-sample SD VAE shape
+// 1x128x512x512 bf16 ran at 40 % of the floor against 49 % without spills
+// (smaller CTAs still fit two or more an SM; benchmarks/README.md, run AD).
+constexpr int kChannelsLastMaxThreads = 512;
 constexpr int kRowUnroll = 4;                 // independent row loads in flight per thread
 
 template <typename scalar_t, int V>
-__global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
+__global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     groupnorm_forward_channels_last_kernel(const scalar_t* __restrict__ x,      // [N, HxW, C]
                                            const scalar_t* __restrict__ gamma,  // [C] or nullptr
                                            const scalar_t* __restrict__ beta,   // [C] or nullptr
@@ -57,7 +62,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
   for (int e = 0; e < V; ++e) group[e] = (c0 + e) / D;
   const int64_t first_row = int64_t(rank) * rows_per_slice;
   const int64_t rows = first_row < HxW ? min(rows_per_slice, HxW - first_row) : 0;
-  const int64_t nkept = min(rows, kept);
+  const int nkept = int(min(rows, kept));  // rows in shared memory: far below 2^31
   const SliceCounts<A> count_of{rows_per_slice, HxW, D};
   const A local_count = A(rows * D);
 
@@ -72,33 +77,30 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
     scalar_t* ys = y + offset + c0;
     scalar_t* ks = on_chip + c0;
 
-    // Sweep 1: load (keeping what fits on chip) and sum x - shift per channel.
-    // The shift, the group's first element in this slice, keeps the float
-    // sum small for inputs far from zero.
+    // Sweep 1: sum x - shift per channel. The shift, the group's first
+    // element in this slice, keeps the float sum small for inputs far from
+    // zero. Kept rows go to shared memory by asynchronous copies, all issued
+    // before the first is summed; the other rows are loaded and summed while
+    // those copies are in flight.
     A shift[V], sum[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       shift[e] = rows > 0 ? static_cast<A>(first[group[e] * D]) : A(0);
       sum[e] = 0;
     }
+    const auto add = [&](const VecT& v) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) sum[e] += static_cast<A>(v.val[e]) - shift[e];
+    };
     if (sweeps) {
-      for (int64_t r0 = row_lane; r0 < rows; r0 += int64_t(kRowUnroll) * rows_per_step) {
-        VecT v[kRowUnroll];
-#pragma unroll
-        for (int u = 0; u < kRowUnroll; ++u) {
-          const int64_t r = r0 + int64_t(u) * rows_per_step;
-          if (r < rows) v[u] = load_vec<scalar_t, V>(xs + r * ldc);
-        }
-#pragma unroll
-        for (int u = 0; u < kRowUnroll; ++u) {
-          const int64_t r = r0 + int64_t(u) * rows_per_step;
-          if (r < rows) {
-            if (r < nkept) store_vec<scalar_t, V>(ks + r * C, v[u]);
-#pragma unroll
-            for (int e = 0; e < V; ++e) sum[e] += static_cast<A>(v[u].val[e]) - shift[e];
-          }
-        }
+      const scalar_t* src = xs + int64_t(row_lane) * ldc;
+      for (int r = row_lane; r < nkept; r += rows_per_step, src += int64_t(rows_per_step) * ldc) {
+        copy_to_shared_async(reinterpret_cast<VecT*>(ks + r * C),
+                             reinterpret_cast<const VecT*>(src));
       }
+      load_each<kRowUnroll, scalar_t, V>(xs, ldc, nkept + row_lane, rows, rows_per_step, add);
+      copy_to_shared_wait();
+      for (int r = row_lane; r < nkept; r += rows_per_step) add(load_vec<scalar_t, V>(ks + r * C));
 #pragma unroll
       for (int e = 0; e < V; ++e) sh.red[row_lane * C + c0 + e] = sum[e];
     }
@@ -118,15 +120,18 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
         m[e] = sh.local_mean[group[e]];
         m2[e] = 0;
       }
-      for (int64_t r = row_lane; r < rows; r += rows_per_step) {
-        const VecT v =
-            r < nkept ? load_vec<scalar_t, V>(ks + r * C) : load_vec<scalar_t, V>(xs + r * ldc);
+      const auto add_squares = [&](const VecT& v) {
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           const A d = static_cast<A>(v.val[e]) - m[e];
           m2[e] += d * d;
         }
+      };
+      for (int r = row_lane; r < nkept; r += rows_per_step) {
+        add_squares(load_vec<scalar_t, V>(ks + r * C));
       }
+      load_each<kRowUnroll, scalar_t, V>(xs, ldc, nkept + row_lane, rows, rows_per_step,
+                                         add_squares);
 #pragma unroll
       for (int e = 0; e < V; ++e) sh.red[row_lane * C + c0 + e] = m2[e];
     }
@@ -146,16 +151,18 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 2)
         a[e] = gamma != nullptr ? rs * static_cast<A>(gamma[c_unit + c0 + e]) : rs;
         b[e] = beta != nullptr ? static_cast<A>(beta[c_unit + c0 + e]) : A(0);
       }
-      for (int64_t r = row_lane; r < rows; r += rows_per_step) {
-        const VecT v =
-            r < nkept ? load_vec<scalar_t, V>(ks + r * C) : load_vec<scalar_t, V>(xs + r * ldc);
+      const auto normalise = [&](const VecT& v, int64_t r) {
         VecT out;
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           out.val[e] = static_cast<scalar_t>((static_cast<A>(v.val[e]) - mu[e]) * a[e] + b[e]);
         }
         store_vec_streaming<scalar_t, V>(ys + r * ldc, out);
+      };
+      for (int r = row_lane; r < nkept; r += rows_per_step) {
+        normalise(load_vec<scalar_t, V>(ks + r * C), r);
       }
+      load_each<kRowUnroll, scalar_t, V>(xs, ldc, nkept + row_lane, rows, rows_per_step, normalise);
     }
     __syncthreads();  // the kept rows and shared statistics are reused
   }

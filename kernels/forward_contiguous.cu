@@ -42,49 +42,45 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
   const int threads = blockDim.x;
   const int64_t begin = int64_t(rank) * slice;
   const int64_t count = begin < L ? min(slice, L - begin) : 0;
-  const int64_t nvec = count / V;  // host guarantees L % V == 0, slice % V == 0
-  const int64_t nkept = min(nvec, kept);
+  const int64_t nvec = count / V;          // host guarantees L % V == 0, slice % V == 0
+  const int nkept = int(min(nvec, kept));  // vectors in shared memory: far below 2^31
   const SliceCounts<A> count_of{slice, L, 1};
   int round = 0;
   for (int64_t unit = team; unit < units; unit += teams, ++round) {
     const scalar_t* xs = x + unit * L + begin;
     scalar_t* ys = y + unit * L + begin;
 
-    // Sweep 1: load (keeping what fits on chip) and sum x - shift.
-    // The shift (the slice's first element) keeps the float sum small for
-    // inputs far from zero, such as 1000 + randn.
+    // Sweep 1: sum x - shift. The shift (the slice's first element) keeps
+    // the float sum small for inputs far from zero, such as 1000 + randn.
+    // Kept vectors go to shared memory by asynchronous copies, all issued
+    // before the first is summed; the rest are loaded and summed while those
+    // copies are in flight.
     const A shift = count > 0 ? static_cast<A>(xs[0]) : A(0);
     A sum = 0;
-    for (int64_t i0 = tid; i0 < nvec; i0 += int64_t(kUnroll) * threads) {
-      VecT v[kUnroll];
+    const auto add = [&](const VecT& v) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = i0 + int64_t(u) * threads;
-        if (i < nvec) v[u] = load_vec<scalar_t, V>(xs + i * V);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t i = i0 + int64_t(u) * threads;
-        if (i < nvec) {
-          if (i < nkept) on_chip[i] = v[u];
-#pragma unroll
-          for (int e = 0; e < V; ++e) sum += static_cast<A>(v[u].val[e]) - shift;
-        }
-      }
+      for (int e = 0; e < V; ++e) sum += static_cast<A>(v.val[e]) - shift;
+    };
+    for (int i = tid; i < nkept; i += threads) {
+      copy_to_shared_async(&on_chip[i], reinterpret_cast<const VecT*>(xs + i * V));
     }
+    load_each<kUnroll, scalar_t, V>(xs, V, nkept + tid, nvec, threads, add);
+    copy_to_shared_wait();
+    for (int i = tid; i < nkept; i += threads) add(on_chip[i]);
     const A local_mean = count > 0 ? shift + block_sum(sum, sh.red) / A(count) : A(0);
 
     // Sweep 2: sum of squares about the slice mean (exact centring, so
     // 1000 + randn keeps its digits).
     A m2 = 0;
-    for (int64_t i = tid; i < nvec; i += threads) {
-      const VecT v = i < nkept ? on_chip[i] : load_vec<scalar_t, V>(xs + i * V);
+    const auto add_squares = [&](const VecT& v) {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         const A d = static_cast<A>(v.val[e]) - local_mean;
         m2 += d * d;
       }
-    }
+    };
+    for (int i = tid; i < nkept; i += threads) add_squares(on_chip[i]);
+    load_each<kUnroll, scalar_t, V>(xs, V, nkept + tid, nvec, threads, add_squares);
     m2 = block_sum(m2, sh.red);
     if (tid == 0) {
       sh.local_mean[0] = local_mean;
@@ -102,14 +98,15 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
     const int64_t c0 = int64_t(unit % G) * D;
     const int64_t start_channel = begin / HxW;
     const int64_t start_offset = begin - start_channel * HxW;
-    for (int64_t i = tid; i < nvec; i += threads) {
-      const VecT v = i < nkept ? on_chip[i] : load_vec<scalar_t, V>(xs + i * V);
+    const auto normalise = [&](const VecT& v, int64_t i) {
       const int64_t within = start_offset + i * V;
       const int64_t ch =
           start_channel + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
       store_vec_streaming<scalar_t, V>(
           ys + i * V, normalise_vec(v, mu, channel_affine(c0 + ch, rs, gamma, beta)));
-    }
+    };
+    for (int i = tid; i < nkept; i += threads) normalise(on_chip[i], i);
+    load_each<kUnroll, scalar_t, V>(xs, V, nkept + tid, nvec, threads, normalise);
     __syncthreads();  // the kept slice and shared statistics are reused
   }
 }

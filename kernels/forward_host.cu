@@ -209,8 +209,11 @@ constexpr int64_t kMinSliceBytes = 12 * 1024;
 constexpr int kTargetBlocksPerSm = 4;
 // Widest access per thread: 16 bytes for the contiguous kernel. The
 // channels-last kernel keeps per-channel sums, shifts and affine terms in
-// registers, which spill at 16 bytes, so it uses 8 unless a row would need
-// more than kChannelsLastMaxThreads threads.
+// registers, which spill at 16 bytes (68 bytes a thread even with 128
+// registers), so it uses 8 unless a row would need more than
+// kChannelsLastMaxThreads threads: on an H100 16 bytes were 1-2 points of
+// the floor slower on every channels-last team shape measured
+// (benchmarks/README.md, run AD).
 constexpr int kContiguousVecBytes = 16;
 constexpr int kChannelsLastVecBytes = 8;
 constexpr int kChannelsLastWideVecBytes = 16;
