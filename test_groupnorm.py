@@ -757,14 +757,17 @@ def test_gpu_teams_over_several_rounds(dtype):
 
 
 @cuda
-def test_gpu_sample_larger_than_on_chip_memory():
-    # 1 x 64 x 512 x 512 bfloat16 channels-last: one 32 MiB unit, more than the
-    # shared memory of every CTA together, so part of each slice is re-read.
-    x = make_input((1, 64, 512, 512), torch.bfloat16, "channels_last", "cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bfloat16", "float32"])
+@pytest.mark.parametrize("shift", [0.0, 1000.0])
+def test_gpu_sample_larger_than_on_chip_memory(dtype, shift):
+    # One 32 MiB (bfloat16) or 64 MiB (float32) channels-last unit, more than
+    # the shared memory of every CTA together: the rows a CTA does not keep
+    # get their statistics from a running update and are read once more, to
+    # normalise; far from zero (1000 + randn) too.
+    x = make_input((1, 64, 512, 512), dtype, "channels_last", "cuda", shift=shift)
     text = gn.plan(x, 32, kernel="channels_last")
     assert text.startswith("channels_last") and kept_fraction(text) < 1, text
-    check_against_reference(x, 32, *affine(64, torch.bfloat16, "cuda", "both"),
-                            kernel="channels_last")
+    check_against_reference(x, 32, *affine(64, dtype, "cuda", "both"), kernel="channels_last")
 
 
 @cuda

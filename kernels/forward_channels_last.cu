@@ -12,7 +12,8 @@
 // 16 bytes whatever C / G is (a column may straddle groups). A CTA keeps the
 // first `kept` rows of its slice in shared memory between the sweeps: with
 // the whole slice kept, x is read from DRAM once and y written once; a sample
-// larger than the on-chip memory of all CTAs together re-reads the rest.
+// larger than the on-chip memory of all CTAs together reads the rest twice
+// (statistics from a running update in the first sweep, then normalise).
 //
 // Thread layout: cols = C / V threads cover a unit's row, rows_per_step rows go in
 // parallel; threads beyond cols * rows_per_step (the block is rounded up to
@@ -27,7 +28,11 @@ namespace groupnorm {
 // 1x128x512x512 bf16 ran at 40 % of the floor against 49 % without spills
 // (smaller CTAs still fit two or more an SM; benchmarks/README.md, run AD).
 constexpr int kChannelsLastMaxThreads = 512;
-constexpr int kRowUnroll = 4;                 // independent row loads in flight per thread
+constexpr int kRowUnroll = 4;  // independent row loads in flight per thread
+
+// 1 / n rounded to nearest (IEEE), for the running mean's update.
+__device__ __forceinline__ float reciprocal(float n) { return __frcp_rn(n); }
+__device__ __forceinline__ double reciprocal(double n) { return __drcp_rn(n); }
 
 template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
@@ -80,27 +85,45 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     // Sweep 1: sum x - shift per channel. The shift, the group's first
     // element in this slice, keeps the float sum small for inputs far from
     // zero. Kept rows go to shared memory by asynchronous copies, all issued
-    // before the first is summed; the other rows are loaded and summed while
-    // those copies are in flight.
-    A shift[V], sum[V];
+    // before the first is summed. The other rows are loaded while those
+    // copies are in flight, and read only once more (sweep 3): a running
+    // mean and M2 per channel of them (Welford's update, as torch's own
+    // kernel uses) gives sweep 2 their M2 about the group mean as
+    // M2 + n (mean - m)^2, a sum of non-negative terms.
+    A shift[V], sum[V], run_mean[V], run_m2[V];
+    int run_n = 0;  // rows not kept, this thread's: under 2^31
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       shift[e] = rows > 0 ? static_cast<A>(first[group[e] * D]) : A(0);
       sum[e] = 0;
+      run_mean[e] = 0;
+      run_m2[e] = 0;
     }
-    const auto add = [&](const VecT& v) {
-#pragma unroll
-      for (int e = 0; e < V; ++e) sum[e] += static_cast<A>(v.val[e]) - shift[e];
-    };
     if (sweeps) {
       const scalar_t* src = xs + int64_t(row_lane) * ldc;
       for (int r = row_lane; r < nkept; r += rows_per_step, src += int64_t(rows_per_step) * ldc) {
         copy_to_shared_async(reinterpret_cast<VecT*>(ks + r * C),
                              reinterpret_cast<const VecT*>(src));
       }
-      load_each<kRowUnroll, scalar_t, V>(xs, ldc, nkept + row_lane, rows, rows_per_step, add);
+      load_each<kRowUnroll, scalar_t, V>(xs, ldc, nkept + row_lane, rows, rows_per_step,
+                                         [&](const VecT& v) {
+                                           const A inv = reciprocal(A(++run_n));
+#pragma unroll
+                                           for (int e = 0; e < V; ++e) {
+                                             const A xe = static_cast<A>(v.val[e]);
+                                             const A d = xe - run_mean[e];
+                                             run_mean[e] += d * inv;
+                                             run_m2[e] += d * (xe - run_mean[e]);
+                                           }
+                                         });
+#pragma unroll
+      for (int e = 0; e < V; ++e) sum[e] = A(run_n) * (run_mean[e] - shift[e]);
       copy_to_shared_wait();
-      for (int r = row_lane; r < nkept; r += rows_per_step) add(load_vec<scalar_t, V>(ks + r * C));
+      for (int r = row_lane; r < nkept; r += rows_per_step) {
+        const VecT v = load_vec<scalar_t, V>(ks + r * C);
+#pragma unroll
+        for (int e = 0; e < V; ++e) sum[e] += static_cast<A>(v.val[e]) - shift[e];
+      }
 #pragma unroll
       for (int e = 0; e < V; ++e) sh.red[row_lane * C + c0 + e] = sum[e];
     }
@@ -118,20 +141,17 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         m[e] = sh.local_mean[group[e]];
-        m2[e] = 0;
+        const A d = run_mean[e] - m[e];
+        m2[e] = run_m2[e] + A(run_n) * d * d;
       }
-      const auto add_squares = [&](const VecT& v) {
+      for (int r = row_lane; r < nkept; r += rows_per_step) {
+        const VecT v = load_vec<scalar_t, V>(ks + r * C);
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           const A d = static_cast<A>(v.val[e]) - m[e];
           m2[e] += d * d;
         }
-      };
-      for (int r = row_lane; r < nkept; r += rows_per_step) {
-        add_squares(load_vec<scalar_t, V>(ks + r * C));
       }
-      load_each<kRowUnroll, scalar_t, V>(xs, ldc, nkept + row_lane, rows, rows_per_step,
-                                         add_squares);
 #pragma unroll
       for (int e = 0; e < V; ++e) sh.red[row_lane * C + c0 + e] = m2[e];
     }
