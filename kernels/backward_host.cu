@@ -139,7 +139,7 @@ BackwardPlan plan_backward(const Shape& s, c10::ScalarType dtype, uintptr_t addr
   p.channels_last = s.channels_last;
   BackwardTiles& t = p.tiles;
   const int64_t target = int64_t(device_info(device).sms) * kTilesPerSm;
-  const bool large = size_t(s.N) * s.C * s.HxW * s.elem >= size_t(device_info(device).l2_bytes);
+  const bool large = s.bytes() >= device_info(device).l2_bytes;
   if (!s.channels_last) {
     p.vec = widest_vector(s.elem, addr, {s.HxW});
     const bool auto_stream = kernel == "auto" && need_dx && large &&

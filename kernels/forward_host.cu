@@ -171,6 +171,8 @@ struct Shape {
   bool channels_last;  // x is (N, HxW, C) in memory
   size_t elem;         // bytes per element
   uintptr_t x_addr;
+
+  int64_t bytes() const { return N * C * HxW * int64_t(elem); }  // of x
 };
 
 struct Plan {
@@ -491,9 +493,9 @@ bool plan_stream_channels_last(Plan& p, const Shape& s, int device, const Reques
       v, [&](auto vv) { kernel = stream_channels_last_kernel<scalar_t, decltype(vv)::value>(); });
   const int64_t pieces = (s.HxW + rows_per_piece - 1) / rows_per_piece;
   const int64_t piece_bytes = rows_per_piece * unit_C * int64_t(s.elem);
-  const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
-  const size_t l2 = size_t(device_info(device).l2_bytes);
-  const size_t unit_bytes = bytes / size_t(s.N * blocks);
+  const int64_t bytes = s.bytes();
+  const int64_t l2 = device_info(device).l2_bytes;
+  const int64_t unit_bytes = bytes / (s.N * blocks);
   const bool chosen =
       forced || (8 * bytes >= l2 && s.N * blocks >= 2 && (s.N >= 2 || unit_bytes <= l2 / 4) &&
                  v * int64_t(s.elem) == 16 && pieces >= kStreamMinPieces &&
@@ -611,10 +613,10 @@ bool plan_registers(Plan& p, const Shape& s, int device, const Request& req) {
   const int items = ranks > 1 || vectors > int64_t(threads) * kRegistersFewItems
                         ? kRegistersManyItems
                         : kRegistersFewItems;
-  const bool large = s.N * s.C * s.HxW * int64_t(s.elem) >= int64_t(device_info(device).l2_bytes);
+  const bool large = s.bytes() >= device_info(device).l2_bytes;
   if (!forced && large && (s.channels_last || items != kRegistersFewItems)) return false;
   if (!forced && ranks > 1 &&
-      !(s.channels_last && s.N * s.C * s.HxW * int64_t(s.elem) <= kRegistersClusterMaxBytes &&
+      !(s.channels_last && s.bytes() <= kRegistersClusterMaxBytes &&
         D * int64_t(s.elem) >= kRegistersClusterMinRowBytes)) {
     return false;
   }
@@ -686,13 +688,13 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
     // warps make each block reduction (the latency of a tiny launch) shorter.
     p.threads =
         int(std::clamp<int64_t>((items + kWarp - 1) / kWarp * kWarp, kWarp, kContiguousThreads));
-    const size_t bytes = size_t(s.N) * s.C * s.HxW * s.elem;
+    const int64_t bytes = s.bytes();
     const int64_t piece_vecs = kStreamPieceVecs;
     const void* stream_k = nullptr;
     with_vec<scalar_t, kContiguousVecBytes>(
         p.vec, [&](auto v) { stream_k = stream_kernel<scalar_t, decltype(v)::value>(); });
     const bool auto_stream = req.kernel == "auto" && req.team == 0 &&
-                             bytes >= size_t(device_info(device).l2_bytes) &&
+                             bytes >= device_info(device).l2_bytes &&
                              items >= kStreamMinPieces * piece_vecs;
     if (req.kernel == "stream" || auto_stream) {
       p.kernel = Kernel::Stream;
