@@ -350,14 +350,59 @@ struct PartialLayout {
   int64_t chunks, stride_n, stride_c, stride_k;
 };
 
+// One pair of partial sums, read through L2 in one load (the stream kernels
+// read pairs that the same launch writes).
+template <typename A>
+__device__ __forceinline__ void load_pair_l2(const A* p, A& first, A& second) {
+  if constexpr (sizeof(A) == 4) {
+    const float2 q = __ldcg(reinterpret_cast<const float2*>(p));
+    first = q.x;
+    second = q.y;
+  } else {
+    const double2 q = __ldcg(reinterpret_cast<const double2*>(p));
+    first = q.x;
+    second = q.y;
+  }
+}
+
+// Adds pairs first, first + step, ... below end (pair k at p + k * stride *
+// 2) into s1 and s2 in that order, kInFlight loads in flight: a plain loop
+// waited for each load before issuing the next, even unrolled (the
+// coefficients kernel took half a microsecond a pair a thread on an H100:
+// 31 us for the 64 pairs a thread of 2x512x16x64x64 channels-last).
+template <int kInFlight, typename A>
+__device__ __forceinline__ void add_pairs(const A* p, int64_t first, int64_t end, int64_t step,
+                                          int64_t stride, A& s1, A& s2) {
+  for (int64_t k0 = first; k0 < end; k0 += kInFlight * step) {
+    A a[kInFlight], q[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (k0 + u * step < end) load_pair_l2(p + (k0 + u * step) * stride * 2, a[u], q[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (k0 + u * step < end) {
+        s1 += a[u];
+        s2 += q[u];
+      }
+    }
+  }
+}
+
 // The coefficients of one (sample, group) `unit`, with the whole block.
 // Threads take (channel, chunk-lane) pairs, channel fastest (coalesced for
 // channels-last partials), add their chunks in order, then the chunk-lanes of
 // each channel are added in order: the result does not depend on timing.
 // Partials are read through L2 (__ldcg): the stream kernel writes them in the
-// same launch. Writes the per-(sample, channel) affine partials and, unless
-// coef is null, the dx coefficients of every channel of the group.
-template <typename scalar_t>
+// same launch. kPairsInFlight: pairs a thread has in flight (add_pairs) when
+// it has at least 4; the coefficients kernel takes 16, so that a unit of
+// 1024 chunks (1x128x512x512 channels-last: 16 a thread) is one round trip.
+// Fewer pairs a thread (contiguous units, a few chunks a channel) take 2:
+// with 16 the kernel was 0.3-0.5 us slower there on an H100
+// (benchmarks/README.md, run AE). Writes the
+// per-(sample, channel) affine partials and, unless coef is null, the dx
+// coefficients of every channel of the group.
+template <typename scalar_t, int kPairsInFlight>
 __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // see PartialLayout
                                   const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
                                   const acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
@@ -387,10 +432,10 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
     A s_dy = 0, s_dyx = 0;
     if (lane < lanes && d0 + d_in < D) {
       const A* p = base + int64_t(c0 + d0 + d_in) * at.stride_c * 2;
-#pragma unroll 4
-      for (int64_t k = lane; k < at.chunks; k += lanes) {
-        s_dy += __ldcg(p + k * at.stride_k * 2);
-        s_dyx += __ldcg(p + k * at.stride_k * 2 + 1);
+      if (kPairsInFlight > 2 && at.chunks >= 4 * lanes) {
+        add_pairs<kPairsInFlight>(p, lane, at.chunks, lanes, at.stride_k, s_dy, s_dyx);
+      } else {
+        add_pairs<2>(p, lane, at.chunks, lanes, at.stride_k, s_dy, s_dyx);
       }
     }
     __syncthreads();  // the tables may still be read from the last pass
@@ -437,8 +482,8 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficie
   using A = acc_t<scalar_t>;
   __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[kBackwardWarps];
   for (int64_t unit = blockIdx.x; unit < N * G; unit += gridDim.x) {
-    unit_coefficients<scalar_t>(partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, unit, C,
-                                G, HxW, at, red_dy, red_dyx, scratch);
+    unit_coefficients<scalar_t, 16>(partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, unit,
+                                    C, G, HxW, at, red_dy, red_dyx, scratch);
   }
 }
 

@@ -45,20 +45,10 @@ constexpr int kStreamBackwardItems = 8;
 constexpr int kStreamBackwardTileVecs = kBackwardThreads * kStreamBackwardItems;
 constexpr int kStreamBackwardBlocksPerSm = 2;
 
-// One pair of partial sums, read through L2 in one load (the same launch
-// writes them).
+// Partial pairs a thread has in flight when it adds a unit's (add_pairs):
+// 8 float or 2 double pairs, as many as fit the 128 registers without spills.
 template <typename A>
-__device__ __forceinline__ void load_pair_l2(const A* p, A& first, A& second) {
-  if constexpr (sizeof(A) == 4) {
-    const float2 q = __ldcg(reinterpret_cast<const float2*>(p));
-    first = q.x;
-    second = q.y;
-  } else {
-    const double2 q = __ldcg(reinterpret_cast<const double2*>(p));
-    first = q.x;
-    second = q.y;
-  }
-}
+constexpr int kStreamPairsInFlight = sizeof(A) == 4 ? 8 : 2;
 
 template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
@@ -139,8 +129,9 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
       }
       __syncthreads();
       if (completes_unit && dgamma_part != nullptr) {
-        unit_coefficients<scalar_t>(partial, mean, rstd, gamma, dgamma_part, dbeta_part, nullptr,
-                                    unit, C, G, t.row_items * V, at, red_dy, red_dyx, scratch);
+        unit_coefficients<scalar_t, kStreamPairsInFlight<A>>(
+            partial, mean, rstd, gamma, dgamma_part, dbeta_part, nullptr, unit, C, G,
+            t.row_items * V, at, red_dy, red_dyx, scratch);
       }
     } else {
       // The loads above are in flight while thread 0 waits for the unit's

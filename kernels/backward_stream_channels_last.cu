@@ -41,8 +41,8 @@ namespace groupnorm {
 // every j in one thread each. Threads take (j, lane) pairs, j fastest, and
 // add their sets in order, then the lanes of each j are added in order: the
 // result does not depend on timing. Read through L2: the same launch writes
-// the pairs.
-template <typename A, typename F>
+// the pairs. kInFlight: pairs a thread has in flight (add_pairs).
+template <int kInFlight, typename A, typename F>
 __device__ __forceinline__ void add_pair_sets(const A* base, int64_t count, int64_t stride,
                                               int width, A* red_a, A* red_b, F store) {
   const int tid = threadIdx.x;
@@ -53,14 +53,7 @@ __device__ __forceinline__ void add_pair_sets(const A* base, int64_t count, int6
   for (int j0 = 0; j0 < width; j0 += span) {
     A a = 0, b = 0;
     if (lane < lanes && j0 + j_in < width) {
-      const A* p = base + int64_t(j0 + j_in) * 2;
-#pragma unroll 8
-      for (int64_t k = lane; k < count; k += lanes) {
-        A first, second;
-        load_pair_l2(p + k * stride * 2, first, second);
-        a += first;
-        b += second;
-      }
+      add_pairs<kInFlight>(base + int64_t(j0 + j_in) * 2, lane, count, lanes, stride, a, b);
     }
     __syncthreads();  // the tables may still be read from the last round
     red_a[tid] = a;
@@ -229,12 +222,12 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
       }
       __syncthreads();
       if (completes_unit && channel_pairs != nullptr) {
-        add_pair_sets(channel_pairs + (n * tiles * C + c_first) * 2, tiles, C, unit_C, red_dy,
-                      red_dyx, [&](int j, A a, A q) {
-                        const int c = c_first + j;
-                        dgamma_part[n * C + c] = q * rstd[n * G + c / D];
-                        dbeta_part[n * C + c] = a;
-                      });
+        add_pair_sets<kStreamPairsInFlight<A>>(channel_pairs + (n * tiles * C + c_first) * 2, tiles,
+                                               C, unit_C, red_dy, red_dyx, [&](int j, A a, A q) {
+                                                 const int c = c_first + j;
+                                                 dgamma_part[n * C + c] = q * rstd[n * G + c / D];
+                                                 dbeta_part[n * C + c] = a;
+                                               });
       }
     } else {
       // The loads above are in flight while thread 0 waits for the unit's
@@ -243,11 +236,11 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
         while (load_acquire(&ws.arrived[unit]) < int(tiles)) __nanosleep(64);
       }
       __syncthreads();
-      add_pair_sets(group_pairs + (n * tiles * G + g_first) * 2, tiles, G, unit_G, red_dy, red_dyx,
-                    [&](int j, A a, A q) {
-                      sum_dy[j] = a;
-                      sum_dyx[j] = q;
-                    });
+      add_pair_sets<kStreamPairsInFlight<A>>(group_pairs + (n * tiles * G + g_first) * 2, tiles, G,
+                                             unit_G, red_dy, red_dyx, [&](int j, A a, A q) {
+                                               sum_dy[j] = a;
+                                               sum_dyx[j] = q;
+                                             });
       __syncthreads();
       if (sweeps) {
         // dx = alpha * dy - k1 - (x - mu) * k2 with alpha = rstd * gamma[c],
