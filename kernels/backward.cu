@@ -350,8 +350,9 @@ struct PartialLayout {
   int64_t chunks, stride_n, stride_c, stride_k;
 };
 
-// One pair of partial sums, read through L2 in one load (the stream kernels
-// read pairs that the same launch writes).
+// One pair of partial sums, read through L2 in one load: the stream kernels
+// read pairs that the same launch writes, the coefficients kernel those of
+// the sums kernel before it.
 template <typename A>
 __device__ __forceinline__ void load_pair_l2(const A* p, A& first, A& second) {
   if constexpr (sizeof(A) == 4) {
@@ -398,10 +399,10 @@ __device__ __forceinline__ void add_pairs(const A* p, int64_t first, int64_t end
 // it has at least 4; the coefficients kernel takes 16, so that a unit of
 // 1024 chunks (1x128x512x512 channels-last: 16 a thread) is one round trip.
 // Fewer pairs a thread (contiguous units, a few chunks a channel) take 2:
-// with 16 the kernel was 0.3-0.5 us slower there on an H100
-// (benchmarks/README.md, run AE). Writes the
-// per-(sample, channel) affine partials and, unless coef is null, the dx
-// coefficients of every channel of the group.
+// with 16 the kernel was 0.3-0.6 us slower there on an H100
+// (benchmarks/README.md, run AE). Writes the per-(sample, channel) affine
+// partials and, unless coef is null, the dx coefficients of every channel of
+// the group.
 template <typename scalar_t, int kPairsInFlight>
 __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // see PartialLayout
                                   const acc_t<scalar_t>* __restrict__ mean,  // [N, G]

@@ -45,7 +45,7 @@ constexpr int kStreamBackwardItems = 8;
 constexpr int kStreamBackwardTileVecs = kBackwardThreads * kStreamBackwardItems;
 constexpr int kStreamBackwardBlocksPerSm = 2;
 
-// Partial pairs a thread has in flight when it adds a unit's (add_pairs):
+// Partial pairs a thread has in flight when it adds a unit's pairs (add_pairs):
 // 8 float or 2 double pairs, as many as fit the 128 registers without spills.
 template <typename A>
 constexpr int kStreamPairsInFlight = sizeof(A) == 4 ? 8 : 2;

@@ -163,7 +163,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
 
     // Sweep 3: y = (x - mean) * a + beta, a = rstd * gamma, per channel.
     // The rows not kept go first, while L2 still holds what sweep 1 read of
-    // them, and before the kept rows' y takes L2 space: 0.7-1.2 points of the
+    // them, and before the kept rows' y takes L2 space: 0.6-1.2 points of the
     // floor on the re-read shapes on an H100 (benchmarks/README.md, run AE).
     if (sweeps) {
       A mu[V], a[V], b[V];
