@@ -688,13 +688,12 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
     // warps make each block reduction (the latency of a tiny launch) shorter.
     p.threads =
         int(std::clamp<int64_t>((items + kWarp - 1) / kWarp * kWarp, kWarp, kContiguousThreads));
-    const int64_t bytes = s.bytes();
     const int64_t piece_vecs = kStreamPieceVecs;
     const void* stream_k = nullptr;
     with_vec<scalar_t, kContiguousVecBytes>(
         p.vec, [&](auto v) { stream_k = stream_kernel<scalar_t, decltype(v)::value>(); });
     const bool auto_stream = req.kernel == "auto" && req.team == 0 &&
-                             bytes >= device_info(device).l2_bytes &&
+                             s.bytes() >= device_info(device).l2_bytes &&
                              items >= kStreamMinPieces * piece_vecs;
     if (req.kernel == "stream" || auto_stream) {
       p.kernel = Kernel::Stream;
