@@ -274,13 +274,17 @@ __device__ __forceinline__ void store_release(int* p, int v) {
 
 // Makes this block's earlier global writes visible, adds one to *counter,
 // and waits until it reaches target. Ends with a block-wide barrier.
+// No fences: the barrier orders the block's writes before thread 0's release,
+// the other CTAs' releases before its acquire, and that acquire before the
+// block's later reads, and the PTX memory model's causality order is
+// transitive through all three. The two fences this had (and the two of
+// team_combine's second wait) cost 0.6-4.3 points of the floor on every team
+// shape measured on an H100 (KernelBench L2-92: 82.6 -> 86.9 %; run AF).
 __device__ __forceinline__ void arrive_and_wait(int* counter, int target) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();  // cumulative: covers the block's writes ordered by the barrier
     add_release(counter, 1);
     while (load_acquire(counter) < target) __nanosleep(32);
-    __threadfence();
   }
   __syncthreads();
 }
@@ -433,14 +437,10 @@ __device__ void team_combine(const TeamWorkspace<A>& ws, int team, int rank, int
                      rstd_out[g] = rs;
                    });
     __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      add_release(&ws.published[team], 1);
-    }
+    if (threadIdx.x == 0) add_release(&ws.published[team], 1);
   }
   if (threadIdx.x == 0) {
     while (load_acquire(&ws.published[team]) < (round + 1) * combiners) __nanosleep(32);
-    __threadfence();
   }
   __syncthreads();
   for (int g = threadIdx.x; g < groups; g += blockDim.x) {
