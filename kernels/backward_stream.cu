@@ -123,9 +123,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
       s_dyx = block_sum(s_dyx, scratch);
       if (tid == 0) {
         store_pair(partial + b * 2, s_dy, s_dyx);
-        __threadfence();  // the pair is visible before the arrival counts
-        completes_unit = atomicAdd(&ws.arrived[unit], 1) == unit_tiles - 1;
-        if (completes_unit) __threadfence();  // and every other tile's pair to us
+        completes_unit = add_acq_rel(&ws.arrived[unit], 1) == unit_tiles - 1;
       }
       __syncthreads();
       if (completes_unit && dgamma_part != nullptr) {

@@ -216,9 +216,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
       }
       __syncthreads();
       if (tid == 0) {
-        __threadfence();  // cumulative: the pairs written before the barrier
-        completes_unit = atomicAdd(&ws.arrived[unit], 1) == int(tiles) - 1;
-        if (completes_unit) __threadfence();  // and every other tile's pairs to us
+        completes_unit = add_acq_rel(&ws.arrived[unit], 1) == int(tiles) - 1;
       }
       __syncthreads();
       if (completes_unit && channel_pairs != nullptr) {

@@ -268,6 +268,22 @@ __device__ __forceinline__ void add_release(int* p, int v) {
   asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
 
+// Adds v to *p with acquire and release semantics at GPU scope; returns the
+// old value. A stream kernel's arrival count: its release publishes the
+// partials written before it (by this thread, or by the block before a
+// barrier), and its acquire, for the CTA that completes a unit, every other
+// CTA's. In place of a fence on each side of a relaxed atomic: 0.5-2.5
+// points of the floor faster on 8 of 9 stream shapes measured on an H100,
+// forward, and up to 0.7 backward (run AF).
+__device__ __forceinline__ int add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(p), "r"(v)
+               : "memory");
+  return old;
+}
+
 __device__ __forceinline__ void store_release(int* p, int v) {
   asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }

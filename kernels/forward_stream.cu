@@ -171,9 +171,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
         A* slot = partial + (unit % slots) * pieces * 2;
         slot[(b % pieces) * 2 + 0] = piece_mean;
         slot[(b % pieces) * 2 + 1] = m2;
-        __threadfence();  // the partial is visible before the arrival counts
-        completes_unit = atomicAdd(&ws.arrived[unit], 1) == int(pieces) - 1;
-        if (completes_unit) __threadfence();  // and every other piece's partial to us
+        completes_unit = add_acq_rel(&ws.arrived[unit], 1) == int(pieces) - 1;
       }
       __syncthreads();
       if (!kEachMerges && completes_unit) {
@@ -181,7 +179,6 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
                        scratch, [&](int, const Stats<A>& st) {
                          mean[unit] = st.mean;
                          rstd[unit] = rsqrt(st.m2 / A(L) + eps);
-                         __threadfence();
                          store_release(&ws.ready[unit], 1);  // results written, slot read
                        });
       }
@@ -206,8 +203,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
                            mean[unit] = st.mean;
                            rstd[unit] = unit_rstd;
                          }
-                         __threadfence();  // this reader is done with the slot
-                         atomicAdd(&ws.ready[unit], 1);
+                         add_release(&ws.ready[unit], 1);  // this reader is done with the slot
                        });
         __syncthreads();
       }

@@ -102,9 +102,7 @@ __device__ __forceinline__ void merge_chunk(const A* piece_partial, A* chunk_par
                  });
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
-    completes_unit = atomicAdd(&ws.chunk_arrived[unit], 1) == int(chunks) - 1;
-    if (completes_unit) __threadfence();
+    completes_unit = add_acq_rel(&ws.chunk_arrived[unit], 1) == int(chunks) - 1;
   }
   __syncthreads();
   if (!completes_unit) return;
@@ -117,7 +115,6 @@ __device__ __forceinline__ void merge_chunk(const A* piece_partial, A* chunk_par
                  });
   __syncthreads();
   if (threadIdx.x == 0) {
-    __threadfence();
     store_release(&ws.ready[unit], 1);
   }
 }
@@ -249,9 +246,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
       const int in_chunk = int(min(chunk_pieces, pieces - chunk * chunk_pieces));
       __syncthreads();
       if (tid == 0) {
-        __threadfence();  // cumulative: the partials written before the barrier
-        completes_chunk = atomicAdd(&ws.piece_arrived[unit * chunks + chunk], 1) == in_chunk - 1;
-        if (completes_chunk) __threadfence();  // and every other piece's partial to us
+        completes_chunk = add_acq_rel(&ws.piece_arrived[unit * chunks + chunk], 1) == in_chunk - 1;
       }
       __syncthreads();
       if (!kEachMerges && completes_chunk) {
@@ -282,8 +277,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
                        });
         __syncthreads();
         if (tid == 0) {
-          __threadfence();  // this reader is done with the slot
-          atomicAdd(&ws.ready[unit], 1);
+          add_release(&ws.ready[unit], 1);  // this reader is done with the slot
         }
       }
       if (sweeps) {
