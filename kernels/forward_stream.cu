@@ -179,8 +179,12 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
                        scratch, [&](int, const Stats<A>& st) {
                          mean[unit] = st.mean;
                          rstd[unit] = rsqrt(st.m2 / A(L) + eps);
-                         store_release(&ws.ready[unit], 1);  // results written, slot read
                        });
+        // Released after a barrier, so that every thread's loads of the slot
+        // come before it (merge_partials reads with up to a warp and no
+        // barrier of its own).
+        __syncthreads();
+        if (tid == 0) store_release(&ws.ready[unit], 1);  // results written, slot read
       }
     } else {
       // The loads above are in flight while thread 0 waits for the unit.
@@ -203,9 +207,9 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
                            mean[unit] = st.mean;
                            rstd[unit] = unit_rstd;
                          }
-                         add_release(&ws.ready[unit], 1);  // this reader is done with the slot
                        });
         __syncthreads();
+        if (tid == 0) add_release(&ws.ready[unit], 1);  // this reader is done with the slot
       }
       const A mu = unit_mean;
       const A rs = unit_rstd;
