@@ -17,11 +17,12 @@
 // x and dy are read twice and dx written once: 5 passes against the 3-pass
 // floor, so at the copy rate this reaches 60 % of it. Step 4 walks the tiles
 // in reverse, so its first reads hit what step 1 left in L2; inputs that fit
-// in L2 are read from DRAM about once. Inputs larger than L2 take
-// backward_stream.cu (contiguous) or backward_stream_channels_last.cu
-// instead, which do steps 1, 2 and 4 in one launch and read each tile the
-// second time soon after the first. mean and rstd come from the forward:
-// nothing else is saved. No atomics: results do not depend on timing.
+// in L2 are read from DRAM about once. Inputs larger than L2 take, on the
+// terms of plan_backward (dx wanted, 16-byte vectors, and for channels-last
+// units of at most half the grid), backward_stream.cu (contiguous) or
+// backward_stream_channels_last.cu instead, which do steps 1, 2 and 4 in one
+// launch and read each tile the second time soon after the first. mean and rstd come from the
+// forward: nothing else is saved. No atomics: results do not depend on timing.
 //
 // Tiles (chosen by plan_backward on the host):
 //   contiguous    rows of HxW (one per (sample, channel)); a row of at most
@@ -32,8 +33,6 @@
 //                 `cblocks` blocks of up to kBackwardThreads vector columns;
 //                 each thread keeps V channels for its whole run.
 #pragma once
-
-#include <type_traits>
 
 #include "common.cuh"
 
@@ -490,11 +489,12 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficie
 
 // dgamma[c] = sum_n dgamma_part[n, c] (and the same for dbeta), in sample order.
 template <typename scalar_t>
-__global__ void groupnorm_backward_affine_kernel(const acc_t<scalar_t>* __restrict__ dgamma_part,
-                                                 const acc_t<scalar_t>* __restrict__ dbeta_part,
-                                                 scalar_t* __restrict__ dgamma,  // [C]
-                                                 scalar_t* __restrict__ dbeta,   // [C]
-                                                 int64_t N, int C) {
+__global__ void groupnorm_backward_affine_kernel(
+    const acc_t<scalar_t>* __restrict__ dgamma_part,  // [N, C]
+    const acc_t<scalar_t>* __restrict__ dbeta_part,   // [N, C]
+    scalar_t* __restrict__ dgamma,                    // [C]
+    scalar_t* __restrict__ dbeta,                     // [C]
+    int64_t N, int C) {
   using A = acc_t<scalar_t>;
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;

@@ -466,6 +466,13 @@ __device__ void team_combine(const TeamWorkspace<A>& ws, int team, int rank, int
   __syncthreads();
 }
 
+// The kept slice's bytes rounded up to 16, so that what follows it stays
+// aligned: the kernels' layout (SharedLayout) and the host's size
+// (shared_bytes) both take it from here.
+__host__ __device__ inline size_t rounded_slice_bytes(size_t slice_bytes) {
+  return (slice_bytes + 15) / 16 * 16;
+}
+
 // Carves the dynamic shared memory of a team kernel: the kept slice first
 // (16-byte aligned), then the reduction table and the per-group statistics.
 template <typename A>
@@ -479,7 +486,7 @@ struct SharedLayout {
 
   __device__ SharedLayout(unsigned char* base, size_t slice_bytes, int groups, int red_entries) {
     slice = base;
-    red = reinterpret_cast<A*>(base + slice_bytes);
+    red = reinterpret_cast<A*>(base + rounded_slice_bytes(slice_bytes));
     local_mean = red + red_entries;
     local_m2 = local_mean + groups;
     mean = local_m2 + groups;
@@ -487,10 +494,9 @@ struct SharedLayout {
   }
 };
 
-// Host and device agree on this size (slice bytes are rounded up to 16).
-__host__ __device__ inline size_t shared_bytes(size_t slice_bytes, int red_entries, int groups,
-                                               size_t acc_size) {
-  return ((slice_bytes + 15) / 16) * 16 + (size_t(red_entries) + 4 * size_t(groups)) * acc_size;
+// Dynamic shared memory of a SharedLayout.
+inline size_t shared_bytes(size_t slice_bytes, int red_entries, int groups, size_t acc_size) {
+  return rounded_slice_bytes(slice_bytes) + (size_t(red_entries) + 4 * size_t(groups)) * acc_size;
 }
 
 }  // namespace groupnorm

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
   using VecT = Vec<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char smem[];
   // The reduction table holds one entry per (row lane, channel): [rows_per_step][C].
-  SharedLayout<A> sh(smem, ((kept * C * sizeof(scalar_t) + 15) / 16) * 16, G, rows_per_step * C);
+  SharedLayout<A> sh(smem, kept * C * sizeof(scalar_t), G, rows_per_step * C);
   scalar_t* on_chip = reinterpret_cast<scalar_t*>(sh.slice);
 
   const int team = blockIdx.x / T;

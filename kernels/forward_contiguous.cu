@@ -32,7 +32,7 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char smem[];
-  SharedLayout<A> sh(smem, ((kept * V * sizeof(scalar_t) + 15) / 16) * 16, 1, blockDim.x);
+  SharedLayout<A> sh(smem, kept * V * sizeof(scalar_t), 1, blockDim.x);
   VecT* on_chip = reinterpret_cast<VecT*>(sh.slice);
 
   const int team = blockIdx.x / T;

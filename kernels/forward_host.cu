@@ -188,8 +188,8 @@ struct Plan {
   int ranks = 1;               // registers kernel: CTAs per group (a cluster when > 1)
   int64_t units = 0;           // groups (contiguous) or samples (channels-last)
   int64_t slice = 0;           // items per CTA: vectors (contiguous) or rows (channels-last)
-  int team = 1;                // CTAs per unit (stream: pieces per unit)
-  int64_t rounds = 1;          // units each team handles in turn
+  int team = 1;                // team kernels: CTAs per unit
+  int64_t pieces = 0;          // stream: pieces per unit
   int64_t lag = 0;             // stream: pieces the statistics run ahead
   int64_t slots = 0;           // stream: units whose piece statistics are kept at once
   bool each_merges = false;    // stream: every normalise item merges its unit's partials
@@ -355,22 +355,15 @@ void plan_teams(Plan& p, const void* kernel, int device, int64_t items, size_t i
                 message("groupnorm: a team of ", p.team, " CTAs cannot be co-resident"));
     p.grid = teams * p.team;
   }
-  const int64_t teams_in_grid = p.grid / p.team;
-  p.rounds = (p.units + teams_in_grid - 1) / teams_in_grid;
 }
 
+// Name of a team or reference plan's kernel (describe_plan words the others).
 const char* kernel_name(Kernel k) {
   switch (k) {
     case Kernel::Contiguous:
       return "contiguous";
-    case Kernel::Stream:
-      return "stream";
     case Kernel::ChannelsLast:
       return "channels_last";
-    case Kernel::StreamChannelsLast:
-      return "stream";
-    case Kernel::Registers:
-      return "registers";
     default:
       return "reference";
   }
@@ -403,7 +396,7 @@ void plan_stream(Plan& p, const void* kernel, int64_t pieces, int64_t piece_byte
                  int fronts, int device, const Request& req) {
   const DeviceInfo& dev = device_info(device);
   const int64_t total = p.units * pieces;
-  p.team = int(pieces);
+  p.pieces = pieces;
   p.kept = 0;
   const int64_t resident = int64_t(blocks_per_sm(kernel, device, p.threads, p.smem)) * dev.sms;
   TORCH_CHECK(resident > 0, "groupnorm: the stream kernel does not fit on this device");
@@ -763,7 +756,7 @@ std::string describe_plan(const Plan& p) {
     const bool rows = p.kernel == Kernel::StreamChannelsLast;
     return std::string(rows ? "stream channels_last" : "stream") + " vec=" + std::to_string(p.vec) +
            (p.blocks > 1 ? " blocks=" + std::to_string(p.blocks) : "") +
-           " pieces=" + std::to_string(p.team) + (rows ? " rows=" : " piece=") +
+           " pieces=" + std::to_string(p.pieces) + (rows ? " rows=" : " piece=") +
            std::to_string(p.slice) + (rows ? " chunk=" + std::to_string(p.chunk) : "") +
            " lag=" + std::to_string(p.lag) + " slots=" + std::to_string(p.slots) +
            (p.each_merges ? " merge=each" : " merge=once") + " grid=" + std::to_string(p.grid) +
@@ -929,9 +922,9 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
     }
     case Kernel::Stream: {
       const int64_t L = int64_t(D) * s.HxW;
-      const int64_t total = p.units * p.team;
+      const int64_t total = p.units * p.pieces;
       const int64_t counters = stream_counter_bytes(p.units);
-      storage = at::empty({counters + p.slots * p.team * 2 * int64_t(sizeof(A))},
+      storage = at::empty({counters + p.slots * p.pieces * 2 * int64_t(sizeof(A))},
                           y.options().dtype(at::kByte));
       auto* base = storage.data_ptr<uint8_t>();
       C10_CUDA_CHECK(cudaMemsetAsync(base, 0, counters, stream));
@@ -945,28 +938,22 @@ void run_forward(const Plan& p, const Checked& c, at::Tensor& y, at::Tensor& mea
         auto kernel = p.each_merges ? &groupnorm_stream_kernel<scalar_t, V, true>
                                     : &groupnorm_stream_kernel<scalar_t, V, false>;
         kernel<<<unsigned(p.grid), kStreamThreads, 0, stream>>>(
-            x, gamma, beta, out, mean_p, rstd_p, partial, ws, L, s.HxW, s.G, D, p.team, p.slots,
+            x, gamma, beta, out, mean_p, rstd_p, partial, ws, L, s.HxW, s.G, D, p.pieces, p.slots,
             order, hxw_div, fast_div, A(eps));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       break;
     }
     case Kernel::StreamChannelsLast: {
-      const int64_t pieces = p.team;
+      const int64_t pieces = p.pieces;
       const int64_t chunks = (pieces + p.chunk - 1) / p.chunk;
-      const int64_t counters = (int64_t(sizeof(unsigned long long)) +
-                                (p.units * chunks + 2 * p.units) * int64_t(sizeof(int)) + 15) /
-                               16 * 16;
+      const int64_t counters = stream_rows_counter_bytes(p.units, chunks);
       const int unit_groups = s.G / p.blocks;
       const int64_t partials = p.slots * (pieces + chunks) * unit_groups * 2;
       storage = at::empty({counters + partials * int64_t(sizeof(A))}, y.options().dtype(at::kByte));
       auto* base = storage.data_ptr<uint8_t>();
       C10_CUDA_CHECK(cudaMemsetAsync(base, 0, counters, stream));
-      StreamRowsWorkspace ws;
-      ws.next = reinterpret_cast<unsigned long long*>(base);
-      ws.piece_arrived = reinterpret_cast<int*>(base + sizeof(unsigned long long));
-      ws.chunk_arrived = ws.piece_arrived + p.units * chunks;
-      ws.ready = ws.chunk_arrived + p.units;
+      const StreamRowsWorkspace ws = stream_rows_workspace(base, p.units, chunks);
       A* piece_partial = reinterpret_cast<A*>(base + counters);
       A* chunk_partial = piece_partial + p.slots * pieces * unit_groups * 2;
       const StreamOrder order{p.units * pieces, p.lag};

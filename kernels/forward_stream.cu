@@ -181,8 +181,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
                          rstd[unit] = rsqrt(st.m2 / A(L) + eps);
                        });
         // Released after a barrier, so that every thread's loads of the slot
-        // come before it (merge_partials reads with up to a warp and no
-        // barrier of its own).
+        // come before it (for units of up to 32 pieces merge_partials reads
+        // with lanes of one warp and no barrier of its own).
         __syncthreads();
         if (tid == 0) store_release(&ws.ready[unit], 1);  // results written, slot read
       }

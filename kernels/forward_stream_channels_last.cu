@@ -67,13 +67,32 @@ struct StreamRowsWorkspace {
   unsigned long long* next;  // [1]              next ticket to hand out
   int* piece_arrived;        // [units, chunks]  statistics items finished, per chunk
   int* chunk_arrived;        // [units]          chunks merged
-  int* ready;                // [units]          1 once the unit's mean and rstd are written
+  int* ready;                // [units]          once: 1 when the unit's mean and rstd are
+                             //                  written; each: readers done with its slot
 };
+
+// Bytes of a StreamRowsWorkspace's counters for `units` units of `chunks`
+// chunks, rounded up to 16 so that the partials after them stay aligned. They
+// must be zeroed before the launch.
+inline int64_t stream_rows_counter_bytes(int64_t units, int64_t chunks) {
+  return (int64_t(sizeof(unsigned long long)) +
+          (units * chunks + 2 * units) * int64_t(sizeof(int)) + 15) /
+         16 * 16;
+}
+
+// The counters of stream_rows_counter_bytes(units, chunks) laid out from `base`.
+inline StreamRowsWorkspace stream_rows_workspace(uint8_t* base, int64_t units, int64_t chunks) {
+  StreamRowsWorkspace ws;
+  ws.next = reinterpret_cast<unsigned long long*>(base);
+  ws.piece_arrived = reinterpret_cast<int*>(base + sizeof(unsigned long long));
+  ws.chunk_arrived = ws.piece_arrived + units * chunks;
+  ws.ready = ws.chunk_arrived + units;
+  return ws;
+}
 
 // Shared memory beyond the static arrays: the per-thread table
 // [rows_per_step, cols] and the per-group sums and M2 of the current piece.
-__host__ __device__ inline size_t stream_rows_shared_bytes(int rows_per_step, int cols, int G,
-                                                           size_t acc_size) {
+inline size_t stream_rows_shared_bytes(int rows_per_step, int cols, int G, size_t acc_size) {
   return (size_t(rows_per_step) * cols + 2 * size_t(G)) * acc_size;
 }
 
@@ -81,8 +100,11 @@ __host__ __device__ inline size_t stream_rows_shared_bytes(int rows_per_step, in
 // it is the unit's last chunk, the chunks into the unit's mean and rstd,
 // then raises the unit's ready flag. Called by a whole CTA.
 template <typename A>
-__device__ __forceinline__ void merge_chunk(const A* piece_partial, A* chunk_partial, A* mean,
-                                            A* rstd, const StreamRowsWorkspace& ws, A* scratch,
+__device__ __forceinline__ void merge_chunk(const A* piece_partial,  // [slots, pieces, G, 2]
+                                            A* chunk_partial,        // [slots, chunks, G, 2]
+                                            A* mean,                 // [units, G]
+                                            A* rstd,                 // [units, G]
+                                            const StreamRowsWorkspace& ws, A* scratch,
                                             bool& completes_unit, int64_t unit, int64_t chunk,
                                             int64_t HxW, int G, int D, int64_t rows_per_piece,
                                             int64_t pieces, int64_t chunk_pieces, int64_t slots,
@@ -145,6 +167,9 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
   A* red = reinterpret_cast<A*>(smem);        // [rows_per_step, cols]
   A* group_sum = red + rows_per_step * cols;  // [G] sum of x - shift over the piece
   A* group_m2 = group_sum + G;                // [G] M2 about the piece's group mean
+  // merge=each normalise items reuse the same space for the unit's results.
+  A* unit_mean = group_sum;  // [G]
+  A* unit_rstd = group_m2;   // [G]
   __shared__ A scratch[3 * kStreamThreads / kWarp];
   __shared__ long long ticket[2];  // the current and the next item
   __shared__ bool completes_chunk, completes_unit;
@@ -187,7 +212,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
       for (int u = 0; u < kItems; ++u) {
         const int r = row_lane + u * rows_per_step;
         if (r < rows) {
-          v[u] = load_with_l2_priority(reinterpret_cast<const Raw*>(first + r * C + c0), stats);
+          v[u] = load_with_l2_priority(reinterpret_cast<const Raw*>(first + int64_t(r) * C + c0),
+                                       stats);
         }
       }
     }
@@ -263,16 +289,16 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         }
       }
       __syncthreads();
-      if constexpr (kEachMerges) {  // the unit's mean and rstd into group_sum, group_m2
+      if constexpr (kEachMerges) {  // the unit's mean and rstd into unit_mean, unit_rstd
         const SliceCounts<A> piece_count{rows_per_piece, HxW, D};
         const A count = A(HxW * D);
         merge_partials(piece_partial + (unit % slots) * pieces * G * 2, int(pieces), G, 0, G,
                        piece_count, scratch, [&](int g, const Stats<A>& st) {
-                         group_sum[g] = st.mean;
-                         group_m2[g] = rsqrt(st.m2 / count + eps);
+                         unit_mean[g] = st.mean;
+                         unit_rstd[g] = rsqrt(st.m2 / count + eps);
                          if (piece == 0) {
                            mean[unit * G + g] = st.mean;
-                           rstd[unit * G + g] = group_m2[g];
+                           rstd[unit * G + g] = unit_rstd[g];
                          }
                        });
         __syncthreads();
@@ -281,8 +307,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         }
       }
       if (sweeps) {
-        const A mu = kEachMerges ? group_sum[group] : __ldcg(&mean[unit * G + group]);
-        const A rs = kEachMerges ? group_m2[group] : __ldcg(&rstd[unit * G + group]);
+        const A mu = kEachMerges ? unit_mean[group] : __ldcg(&mean[unit * G + group]);
+        const A rs = kEachMerges ? unit_rstd[group] : __ldcg(&rstd[unit * G + group]);
         ChannelAffine<A> f[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) f[e] = channel_affine(block_c0 + c0 + e, rs, gamma, beta);
@@ -297,7 +323,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
               out.val[e] = static_cast<scalar_t>(
                   (static_cast<A>(as_vec<VecT>(v[u]).val[e]) - mu) * f[e].scale + f[e].shift);
             }
-            store_vec_streaming<scalar_t, V>(ys + r * C, out);
+            store_vec_streaming<scalar_t, V>(ys + int64_t(r) * C, out);
           }
         }
       }

@@ -10,9 +10,12 @@
 //
 // With lag >= pieces per unit, every first read of a unit has a smaller
 // ticket than any second read of it. A second read waits only for its unit's
-// first reads, and a CTA works on its tickets in the order it claimed them,
-// so the unfinished item with the smallest ticket can always run: no
-// deadlock whatever is resident, and no cooperative launch.
+// first reads; in the forward kernels a first read also waits for its ring
+// slot, freed by readers that hold smaller tickets as long as the host keeps
+// slots > lag / pieces + 1 (forward_stream.cu). A CTA works on its tickets in
+// the order it claimed them, so the unfinished item with the smallest ticket
+// can always run: no deadlock whatever is resident, and no cooperative
+// launch.
 #pragma once
 
 #include "common.cuh"
@@ -46,8 +49,9 @@ __device__ __forceinline__ VecT load_with_l2_priority(const VecT* p, bool keep) 
 struct StreamWorkspace {
   unsigned long long* next;  // [1]     next ticket to hand out
   int* arrived;              // [units] statistics items finished
-  int* ready;                // [units] forward: the unit's results are written
-                             //         (unused by the backward kernels)
+  int* ready;                // [units] forward, merge=once: 1 when the unit's mean and
+                             //         rstd are written; merge=each: readers done with
+                             //         the unit's ring slot (unused by the backward)
 };
 
 // Bytes of a StreamWorkspace's counters for `units` units, rounded up to 16
