@@ -85,11 +85,14 @@ def sources():
 
 
 def _arch_list():
+    """Architectures to build for: TORCH_CUDA_ARCH_LIST if set, else every
+    visible device's, so that a host with GPUs of two generations can run
+    on either."""
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         return os.environ["TORCH_CUDA_ARCH_LIST"]
     if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        return f"{major}.{minor}"
+        capabilities = {torch.cuda.get_device_capability(d) for d in range(torch.cuda.device_count())}
+        return ";".join(f"{major}.{minor}" for major, minor in sorted(capabilities))
     return _DEFAULT_ARCH
 
 

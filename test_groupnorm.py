@@ -7,7 +7,6 @@ the output will occupy before every call.
 """
 
 import importlib.util
-import math
 import os
 import re
 import subprocess
@@ -286,6 +285,17 @@ def test_extension_name_tracks_sources(monkeypatch):
     files["common.cuh"] += "\n// edited\n"
     monkeypatch.setattr(gn, "_EMBEDDED_SOURCES", files)
     assert gn.extension_name("9.0") != before
+
+
+def test_build_covers_every_visible_device(monkeypatch):
+    monkeypatch.delenv("TORCH_CUDA_ARCH_LIST", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    capabilities = [(9, 0), (8, 0), (9, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: capabilities[d])
+    assert gn._arch_list() == "8.0;9.0"
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.6")
+    assert gn._arch_list() == "8.6"
 
 
 def test_sources_inline_every_local_include():
@@ -1174,6 +1184,24 @@ def test_gpu_backward_any_subset_of_inputs(wants, weight):
     for mine, theirs in ((x.grad, x2.grad), (b.grad, b2.grad)) + (((w.grad, w2.grad),) if weight else ()):
         if theirs is not None:
             torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+@cuda
+def test_gpu_backward_with_nothing_wanted_launches_nothing():
+    x = make_input((2, 32, 7, 9), torch.float32, "contiguous", "cuda")
+    w = torch.randn(32, device="cuda")
+    ext = gn.load()
+    _, mean, rstd = ext.forward(x, w, None, 4, 1e-5, "auto", 0)
+    dy = torch.randn_like(x)
+    outputs = ext.backward(dy, x, mean, rstd, w, 4, False, False, "auto", 0)
+    assert [t.numel() for t in outputs] == [0, 0, 0]
+    # and the same op with each output wanted still matches torch
+    dx, dw, db = ext.backward(dy, x, mean, rstd, w, 4, True, True, "auto", 0)
+    x2, w2 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    F.group_norm(x2, 4, w2, None).backward(dy)
+    torch.testing.assert_close(dx, x2.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(dw, w2.grad, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(db, dy.sum((0, 2, 3)), rtol=1e-4, atol=1e-4)
 
 
 @cuda

@@ -380,6 +380,9 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
                       message("groupnorm backward: mean and rstd must be contiguous [", N, ", ",
                               groups, "] ", c10::toString(acc_dtype), " tensors on ", x.device()));
   }
+  if (!need_dx && !need_affine) {  // nothing to compute: no launch
+    return {at::empty({0}, x.options()), at::empty({0}, x.options()), at::empty({0}, x.options())};
+  }
   const at::Tensor& xk = c.x;
   at::Tensor dyk = dy;
   if (dy.strides() != xk.strides()) {
