@@ -7,6 +7,7 @@ the output will occupy before every call.
 """
 
 import importlib.util
+import math
 import os
 import re
 import subprocess
@@ -33,7 +34,7 @@ def make_input(shape, dtype, layout, device, shift=0.0, scale=1.0):
     shifted input keeps a spread after rounding (bfloat16 holds 1000 + randn
     as 996, 1000 or 1004 only)."""
     if dtype in (torch.float16, torch.bfloat16) and shift != 0:
-        step = torch.finfo(dtype).eps * 2.0 ** torch.tensor(abs(shift)).log2().floor().item()
+        step = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(abs(shift)))
         scale = max(scale, 8 * step)
     x = torch.randn(shape, dtype=torch.float32, device=device) * scale + shift
     x = x.to(dtype)

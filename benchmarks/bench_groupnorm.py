@@ -10,14 +10,14 @@ for the forward, a copy of x (x.clone()) timed the same way: the ceiling at
 that size, where launch and ramp weigh on small inputs.
 --training times forward + backward (dx, dweight, dbias; floor: 5 x the
 input's bytes) and, in a second table, the backward alone as GPU time,
-replayed from CUDA graphs (floor: read x and dy, write dx). torch.compile is compiled afresh per case (dynamo reset), so
-recompile limits never turn it into eager. Inputs rotate through enough
-copies to exceed L2 where memory allows, so small cases are not timed from
-cache alone. Forward inputs under 16 MiB are also timed back to back by the
-wall clock (host and GPU together): there a provider's host time per call
-can exceed its GPU time, and do_bench's GPU timing counts host time only when
-the host falls behind its cache flush, which makes such timings vary from run
-to run.
+replayed from CUDA graphs (floor: read x and dy, write dx). torch.compile
+is compiled afresh per case (dynamo reset), so recompile limits never turn
+it into eager. Inputs rotate through enough copies to exceed L2 where
+memory allows, so small cases are not timed from cache alone. Forward
+inputs under 16 MiB are also timed back to back by the wall clock (host and
+GPU together): there a provider's host time per call can exceed its GPU
+time, and do_bench's GPU timing counts host time only when the host falls
+behind its cache flush, which makes such timings vary from run to run.
 """
 
 import argparse
@@ -205,12 +205,12 @@ def run_training_case(name, shape, groups, dtype, layout, copy_bw, budget):
         cache flush by more or less."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        graphs = []
         try:
             with torch.cuda.stream(side):
                 ys = {id(t): fn(t) for t in xs}
                 for _ in range(2):  # warm-up outside capture (allocator, lazy init)
                     torch.autograd.grad(ys[id(xs[0])], (xs[0], w, b), dy, retain_graph=True)
+            graphs = []
             for t in xs:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, stream=side):
@@ -222,9 +222,6 @@ def run_training_case(name, shape, groups, dtype, layout, copy_bw, budget):
             print(f"backward alone not measurable: {str(error).splitlines()[0]}")
             torch.cuda.synchronize()
             return float("nan")
-        finally:
-            ys = None
-            del graphs
 
     def compiled():
         torch._dynamo.reset()
