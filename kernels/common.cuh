@@ -466,11 +466,11 @@ __device__ void team_combine(const TeamWorkspace<A>& ws, int team, int rank, int
   __syncthreads();
 }
 
-// The kept slice's bytes rounded up to 16, so that what follows it stays
-// aligned: the kernels' layout (SharedLayout) and the host's size
-// (shared_bytes) both take it from here.
-__host__ __device__ inline size_t rounded_slice_bytes(size_t slice_bytes) {
-  return (slice_bytes + 15) / 16 * 16;
+// Bytes rounded up to 16, so that what is laid out after them stays aligned
+// for 16-byte vectors: shared-memory slices (SharedLayout and the host's
+// shared_bytes) and the counters at the head of a workspace.
+__host__ __device__ constexpr int64_t round_up_to_16(int64_t bytes) {
+  return (bytes + 15) / 16 * 16;
 }
 
 // Carves the dynamic shared memory of a team kernel: the kept slice first
@@ -486,7 +486,7 @@ struct SharedLayout {
 
   __device__ SharedLayout(unsigned char* base, size_t slice_bytes, int groups, int red_entries) {
     slice = base;
-    red = reinterpret_cast<A*>(base + rounded_slice_bytes(slice_bytes));
+    red = reinterpret_cast<A*>(base + round_up_to_16(int64_t(slice_bytes)));
     local_mean = red + red_entries;
     local_m2 = local_mean + groups;
     mean = local_m2 + groups;
@@ -496,7 +496,8 @@ struct SharedLayout {
 
 // Dynamic shared memory of a SharedLayout.
 inline size_t shared_bytes(size_t slice_bytes, int red_entries, int groups, size_t acc_size) {
-  return rounded_slice_bytes(slice_bytes) + (size_t(red_entries) + 4 * size_t(groups)) * acc_size;
+  return size_t(round_up_to_16(int64_t(slice_bytes))) +
+         (size_t(red_entries) + 4 * size_t(groups)) * acc_size;
 }
 
 }  // namespace groupnorm

@@ -852,7 +852,7 @@ TeamWorkspace<A> make_workspace(const Plan& p, int stat_groups, const at::Tensor
   TeamWorkspace<A> ws{nullptr, nullptr, nullptr, nullptr};
   if (p.team == 1) return ws;
   const int64_t teams = p.grid / p.team;
-  const int64_t counters = ((2 * teams * int64_t(sizeof(int)) + 15) / 16) * 16;
+  const int64_t counters = round_up_to_16(2 * teams * int64_t(sizeof(int)));
   const int64_t partial = teams * 2 * p.team * stat_groups * 2;
   const int64_t result = teams * 2 * stat_groups * 2;
   storage = at::empty({counters + (partial + result) * int64_t(sizeof(A))},

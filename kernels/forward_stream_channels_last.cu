@@ -75,9 +75,8 @@ struct StreamRowsWorkspace {
 // chunks, rounded up to 16 so that the partials after them stay aligned. They
 // must be zeroed before the launch.
 inline int64_t stream_rows_counter_bytes(int64_t units, int64_t chunks) {
-  return (int64_t(sizeof(unsigned long long)) +
-          (units * chunks + 2 * units) * int64_t(sizeof(int)) + 15) /
-         16 * 16;
+  return round_up_to_16(int64_t(sizeof(unsigned long long)) +
+                        (units * chunks + 2 * units) * int64_t(sizeof(int)));
 }
 
 // The counters of stream_rows_counter_bytes(units, chunks) laid out from `base`.

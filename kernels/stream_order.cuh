@@ -58,7 +58,7 @@ struct StreamWorkspace {
 // so that what the caller lays out after them stays aligned. They must be
 // zeroed before the launch.
 inline int64_t stream_counter_bytes(int64_t units) {
-  return (int64_t(sizeof(unsigned long long)) + 2 * units * int64_t(sizeof(int)) + 15) / 16 * 16;
+  return round_up_to_16(int64_t(sizeof(unsigned long long)) + 2 * units * int64_t(sizeof(int)));
 }
 
 // The counters of stream_counter_bytes(units) laid out from `base`.
