@@ -621,6 +621,34 @@ def test_gpu_stream_channels_last_ring_of_partials_wraps(shape, groups, dtype, m
     check_saved_statistics(x, groups, "stream", 1)
 
 
+@cuda
+def test_gpu_stream_channels_last_merges_many_chunks_of_many_pieces():
+    # merge=once merges a unit's piece partials chunk by chunk, then the
+    # chunks; the forced cases above make at most 2 chunks a unit. Here C =
+    # 124 in G = 31 groups of 4 float32 channels (31 is prime, so a sample is
+    # one unit): 64-row pieces with 31 partials each, 33 pieces a chunk, and
+    # 155 pieces, so 5 chunks with a ragged last one (23 pieces) and a ragged
+    # last piece. Values sit at 1000 and drift by 8 along the rows, so the
+    # partials' means differ: a merge that drops the between-partial term,
+    # adds sums of squares, or miscounts a ragged chunk misses by far more
+    # than the tolerance.
+    x = make_input((2, 124, 99, 100), torch.float32, "channels_last", "cuda", shift=1000.0)
+    x.add_(torch.linspace(0, 8, 99 * 100, device="cuda").view(1, 1, 99, 100))
+    text = gn.plan(x, 31, kernel="stream")
+    assert text.startswith("stream channels_last") and " merge=once " in text, text
+    pieces = int(text.split(" pieces=")[1].split()[0])
+    chunk = int(text.split(" chunk=")[1].split()[0])
+    chunks = -(-pieces // chunk)
+    assert chunk >= 8 and chunks >= 4 and pieces % chunk != 0, text
+    for _ in range(2):
+        check_against_reference(x, 31, *affine(124, x.dtype, "cuda", "both"), kernel="stream")
+    # mean and rstd as saved for the backward, on shifted input without the
+    # drift: with it, the float32 merges' own rounding comes close to the
+    # 2e-5 that check_saved_statistics allows rstd
+    check_saved_statistics(make_input(x.shape, x.dtype, "channels_last", "cuda", shift=1000.0), 31,
+                           "stream", 0)
+
+
 def check_saved_statistics(x, groups, kernel, team):
     """mean and rstd per (sample, group), which the backward reuses, against
     float64. A forward of NaN input first leaves NaN statistics in the blocks
@@ -873,6 +901,80 @@ def test_gpu_bad_input_errors():
 
 
 @cuda
+def test_gpu_forced_kernel_errors_name_the_problem():
+    wide = make_input((2, 4096, 2, 2), torch.float32, "channels_last", "cuda")
+    small = make_input((2, 8, 16, 16), torch.float32, "contiguous", "cuda")
+    big_group = make_input((1, 8, 512, 512), torch.float32, "contiguous", "cuda")
+    cases = [
+        (lambda: gn.plan(wide, 1, kernel="channels_last"), RuntimeError,
+         "the channels_last kernel needs C / 4 <= 512, got C = 4096"),
+        (lambda: gn.plan(wide, 1, kernel="stream"), ValueError,
+         "the stream kernel for channels-last input needs C / 4 <= 256, got C = 4096"),
+        (lambda: gn.plan(small, 2, kernel="channels_last"), ValueError, "does not match the input's layout"),
+        (lambda: gn.plan(small, 2, kernel="reference", team=2), RuntimeError, "the reference kernel has no teams"),
+        (lambda: gn.plan(small, 2, kernel="registers", team=2), RuntimeError, "the registers kernel has no teams"),
+        (lambda: gn.plan(big_group, 1, kernel="contiguous", team=100000), RuntimeError,
+         "a team of 100000 CTAs cannot be co-resident"),
+    ]
+    for call, exc, fragment in cases:
+        with pytest.raises(exc) as info:
+            call()
+        assert fragment in str(info.value), str(info.value)
+
+
+@cuda
+def test_gpu_automatic_fallbacks_are_correct():
+    # channels-last rows too wide for one thread per column, in groups too
+    # large for the registers kernel: the reference kernel
+    wide = make_input((1, 1025, 80, 80), torch.float32, "channels_last", "cuda", shift=3.0)
+    text = gn.plan(wide, 1)
+    assert text.startswith("reference") and "C too wide" in text, text
+    check_against_reference(wide, 1, *affine(1025, torch.float32, "cuda", "both"))
+    # a contiguous group larger than every CTA's shared memory together, in an
+    # input under L2's size: the contiguous team kernel, re-reading part of it
+    big = make_input((1, 8, 1024, 1024), torch.float32, "contiguous", "cuda", shift=1000.0)
+    text = gn.plan(big, 1)
+    assert text.startswith("contiguous") and "partly re-read" in text and kept_fraction(text) < 1, text
+    check_against_reference(big, 1, *affine(8, torch.float32, "cuda", "both"))
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(0, 8, 4, 4), (2, 8, 0)], ids=["no-samples", "no-positions"])
+def test_gpu_backward_of_empty_input(shape):
+    x = torch.randn(shape, device="cuda").requires_grad_()
+    w = torch.randn(8, device="cuda", requires_grad=True)
+    b = torch.randn(8, device="cuda", requires_grad=True)
+    dy = torch.randn(shape, device="cuda")
+    dx, dw, db = torch.autograd.grad(gn.groupnorm_cuda(x, w, b, 2), (x, w, b), dy)
+    assert dx.shape == x.shape
+    assert torch.equal(dw, torch.zeros_like(w)) and torch.equal(db, torch.zeros_like(b))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_gpu_backward_without_dx_and_of_non_dense_input(dtype):
+    # channels-last input that wants no gradient: the backward's launches
+    # without their dx pass, dweight and dbias against float64
+    x = make_input((2, 32, 7, 9), dtype, "channels_last", "cuda")
+    w, b = affine(32, dtype, "cuda", "both")
+    w_, b_ = w.detach().requires_grad_(), b.detach().requires_grad_()
+    dy = make_input((2, 32, 7, 9), dtype, "channels_last", "cuda")
+    ours = torch.autograd.grad(gn.groupnorm_cuda(x, w_, b_, 4), (w_, b_), dy)
+    ref = gradients(lambda *t: gn.reference_group_norm(t[0], 4, t[1], t[2], 1e-5), x.double(),
+                    w.double().requires_grad_(), b.double().requires_grad_(), dy.double())[1:]
+    theirs = torch.autograd.grad(F.group_norm(x, 4, w_, b_), (w_, b_), dy)
+    for name, mine, r, t in zip(("dweight", "dbias"), ours, ref, theirs):
+        scale, torch_err = r.abs().max().item(), gn.max_error(t, r)
+        tol = (1.1 * torch_err + torch.finfo(dtype).eps * scale if dtype == torch.bfloat16
+               else max(1e-5 * scale, 1.1 * torch_err) + 1e-12)
+        assert gn.max_error(mine, r) <= tol, (name, gn.max_error(mine, r), tol)
+    # a non-dense input (every other position) is copied, then differentiated
+    sliced = make_input((2, 32, 7, 18), dtype, "contiguous", "cuda")[..., ::2]
+    assert not sliced.is_contiguous() and not channels_last_like(sliced)
+    check_backward(sliced, 4, w, b, make_input((2, 32, 7, 9), dtype, "contiguous", "cuda"))
+
+
+@cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_gpu_second_device():
     # the current device stays cuda:0: the kernels must follow the tensors
@@ -909,6 +1011,70 @@ def test_gpu_runs_on_current_stream_and_in_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert gn.max_error(captured, gn.reference_group_norm(x, 2, w, b, 1e-5)) < 1e-4
+
+
+# (shape, groups, layout, forced path): one case per forward launch site (the
+# team kernels' cooperative launch after a workspace memset, each stream
+# kernel after a counter memset, the registers and reference kernels).
+DELAYED_STREAM_CASES = [
+    ((2, 64, 128, 128), 2, "contiguous", {}),  # a contiguous team; the backward too
+    ((3, 12, 61, 37), 3, "contiguous", dict(kernel="stream")),
+    ((1, 128, 100, 100), 64, "channels_last", dict(kernel="stream")),
+    ((3, 40, 77, 19), 4, "channels_last", dict(kernel="channels_last", team=11)),
+    ((2, 8, 64, 64), 2, "contiguous", dict(kernel="registers")),
+    ((2, 6, 5, 7), 3, "contiguous", dict(kernel="reference")),
+]
+
+
+@cuda
+@pytest.mark.parametrize("shape, groups, layout, force", DELAYED_STREAM_CASES,
+                         ids=[f"{c[2]}-{c[3].get('kernel', 'auto')}" for c in DELAYED_STREAM_CASES])
+def test_gpu_waits_for_work_queued_on_a_delayed_stream(shape, groups, layout, force):
+    # The side stream sleeps (50M cycles, about 25 ms), then rewrites x with
+    # fresh data, then runs GroupNorm: plainly, and replayed from a CUDA graph
+    # captured on it. A kernel launched on another stream than the current
+    # one runs before the rewrite and normalises stale data; a launch or
+    # memset that the capture missed runs at capture time only, so replays
+    # leave a stale output (or stale counters); a host synchronisation shows
+    # up as a side stream already idle.
+    x = make_input(shape, torch.float32, layout, "cuda")
+    w, b = affine(shape[1], torch.float32, "cuda", "both")
+    text = gn.plan(x, groups, **force)
+    assert text.startswith(force.get("kernel", "contiguous")), text
+    assert force or "team=1 " not in text, text  # automatic: a team of several CTAs
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # x, w and b are written
+
+    def sleep_then_rewrite_x():  # under torch.cuda.stream(side)
+        torch.cuda._sleep(50_000_000)
+        x.normal_()
+
+    def check(y):
+        torch.cuda.synchronize()
+        ref = gn.reference_group_norm(x, groups, w, b, 1e-5)
+        tol = tolerance(x, ref, x.dtype, 0.0, w)
+        assert gn.max_error(y, ref) <= tol, describe_mismatch(y, ref, tol)
+
+    with torch.cuda.stream(side):
+        gn.groupnorm_cuda(x, w, b, groups, **force)  # warm-up: plan and kernel attributes cached
+        torch.cuda.synchronize()
+        sleep_then_rewrite_x()
+        y = gn.groupnorm_cuda(x, w, b, groups, **force)
+        assert not side.query(), "the side stream finished before the check could mean anything"
+    check(y)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        captured = gn.groupnorm_cuda(x, w, b, groups, **force)
+    for _ in range(2):
+        with torch.cuda.stream(side):
+            sleep_then_rewrite_x()
+            graph.replay()
+            assert not side.query(), "the side stream finished before the check could mean anything"
+        check(captured)
+    if not force:  # the backward through autograd, on the side stream after the rewrite
+        with torch.cuda.stream(side):
+            sleep_then_rewrite_x()
+            check_backward(x, groups, w, b, torch.randn_like(x))
 
 
 # ---------------------------------------------------------------------------
@@ -1330,6 +1496,41 @@ def test_gpu_torch_compile_fullgraph_forward_and_backward(through_layer, monkeyp
     torch.testing.assert_close(out, eager_out, rtol=1e-4, atol=1e-4)
     for p, g in zip(model.parameters(), eager_grads):
         torch.testing.assert_close(p.grad, g, rtol=1e-3, atol=1e-4)
+
+
+@cuda
+@THROUGH
+def test_gpu_torch_compile_graphs_call_the_custom_ops(through_layer):
+    # The test above checks what a compiled model computes; this one what
+    # torch.compile traced, through a backend that records the graphs: Dynamo's
+    # and AOTAutograd's forward and backward must call groupnorm_inline::forward
+    # and ::backward and nothing of torch's GroupNorm (a fallback to
+    # F.group_norm, or the op decomposed into aten's, would show up here).
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    targets = {}  # graph name -> str() of each call_function node's target
+
+    def record(name, gm):
+        targets[name] = [str(node.target) for node in gm.graph.nodes if node.op == "call_function"]
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, example_inputs):
+        record("dynamo", gm)
+        return aot_autograd(fw_compiler=lambda g, _: record("forward", g),
+                            bw_compiler=lambda g, _: record("backward", g))(gm, example_inputs)
+
+    torch._dynamo.reset()  # a cached compilation for another backend would bypass this one
+    model = _Block(through_layer).cuda()
+    x = torch.randn(2, 16, 12, 12, device="cuda")
+    out = torch.compile(model, backend=backend, fullgraph=True)(x)
+    out.square().sum().backward()
+    assert "groupnorm_inline.forward" in targets["dynamo"], targets
+    assert "groupnorm_inline.forward.default" in targets["forward"], targets
+    assert "groupnorm_inline.backward.default" in targets["backward"], targets
+    for name, called in targets.items():
+        assert not [t for t in called if "group_norm" in t], (name, called)
+    torch.testing.assert_close(out, model(x), rtol=1e-4, atol=1e-4)
 
 
 @cuda
