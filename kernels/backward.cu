@@ -498,10 +498,28 @@ __global__ void groupnorm_backward_affine_kernel(
   using A = acc_t<scalar_t>;
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
+  // kInFlight samples' loads are issued before their sums: one at a time,
+  // KernelBench L2-92's 128 samples took 16 us on an H100 (run AE), and
+  // with them in flight its backward went from 66.6 to 67.7 % of the floor
+  // on an H200 (run AH).
+  constexpr int kInFlight = 16;
   A sg = 0, sb = 0;
-  for (int64_t n = 0; n < N; ++n) {
-    sg += dgamma_part[n * C + c];
-    sb += dbeta_part[n * C + c];
+  for (int64_t n0 = 0; n0 < N; n0 += kInFlight) {
+    A g[kInFlight], b[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (n0 + u < N) {
+        g[u] = dgamma_part[(n0 + u) * C + c];
+        b[u] = dbeta_part[(n0 + u) * C + c];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (n0 + u < N) {
+        sg += g[u];
+        sb += b[u];
+      }
+    }
   }
   dgamma[c] = static_cast<scalar_t>(sg);
   dbeta[c] = static_cast<scalar_t>(sb);

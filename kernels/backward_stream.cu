@@ -81,11 +81,12 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
   // (forward_stream_channels_last.cu says why). The next ticket's latency
   // hides behind this item; it is read after this item's last barrier.
   if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
+  long long next_ticket = 0;  // thread 0's claim, stored at the item's end (see there)
   __syncthreads();
   for (int cur = 0;; cur ^= 1) {
     const int64_t tk = ticket[cur];
     if (tk >= tickets) break;
-    if (tid == 0) ticket[cur ^ 1] = (long long)atomicAdd(ws.next, 1ull);
+    if (tid == 0) next_ticket = (long long)atomicAdd(ws.next, 1ull);
     int64_t b;
     const bool sums = order.item(tk, b);
     const int64_t row = b / t.chunks;  // n * C + c
@@ -164,6 +165,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
         }
       }
     }
+    if (tid == 0) ticket[cur ^ 1] = next_ticket;
     __syncthreads();  // the next ticket is visible; shared values may be reused
   }
 }
