@@ -957,17 +957,9 @@ def test_gpu_backward_without_dx_and_of_non_dense_input(dtype):
     # without their dx pass, dweight and dbias against float64
     x = make_input((2, 32, 7, 9), dtype, "channels_last", "cuda")
     w, b = affine(32, dtype, "cuda", "both")
-    w_, b_ = w.detach().requires_grad_(), b.detach().requires_grad_()
     dy = make_input((2, 32, 7, 9), dtype, "channels_last", "cuda")
-    ours = torch.autograd.grad(gn.groupnorm_cuda(x, w_, b_, 4), (w_, b_), dy)
-    ref = gradients(lambda *t: gn.reference_group_norm(t[0], 4, t[1], t[2], 1e-5), x.double(),
-                    w.double().requires_grad_(), b.double().requires_grad_(), dy.double())[1:]
-    theirs = torch.autograd.grad(F.group_norm(x, 4, w_, b_), (w_, b_), dy)
-    for name, mine, r, t in zip(("dweight", "dbias"), ours, ref, theirs):
-        scale, torch_err = r.abs().max().item(), gn.max_error(t, r)
-        tol = (1.1 * torch_err + torch.finfo(dtype).eps * scale if dtype == torch.bfloat16
-               else max(1e-5 * scale, 1.1 * torch_err) + 1e-12)
-        assert gn.max_error(mine, r) <= tol, (name, gn.max_error(mine, r), tol)
+    dx, dw, db = check_backward(x, 4, w, b, dy, need_dx=False)
+    assert dx is None and dw is not None and db is not None
     # a non-dense input (every other position) is copied, then differentiated
     sliced = make_input((2, 32, 7, 18), dtype, "contiguous", "cuda")[..., ::2]
     assert not sliced.is_contiguous() and not channels_last_like(sliced)
@@ -1125,24 +1117,27 @@ def forced_gradients(x, groups, w, b, dy, kernel, lag, affine=True):
     return [dx, dw if w is not None else None, db if b is not None else None]
 
 
-def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, affine=True):
+def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, affine=True,
+                   need_dx=True):
     """Gradients through autograd (kernel "auto") or from the forced backward
     kernel, against a float64 reference, within torch's own error; with
-    affine=False (forced kernels only) dx alone is asked for and checked."""
-    x = x.detach().requires_grad_()
+    affine=False (forced kernels only) dx alone is asked for and checked,
+    with need_dx=False (autograd only) dweight and dbias alone."""
+    assert need_dx or kernel == "auto", "forced kernels always compute dx"
+    x = x.detach().requires_grad_(need_dx)
     w = w.detach().requires_grad_() if w is not None else None
     b = b.detach().requires_grad_() if b is not None else None
     if kernel == "auto":
         ours = gradients(lambda *t: gn.groupnorm_cuda(t[0], t[1], t[2], groups), x, w, b, dy)
     else:
         ours = forced_gradients(x, groups, w, b, dy, kernel, lag, affine)
-    x64 = x.detach().double().requires_grad_()
+    x64 = x.detach().double().requires_grad_(need_dx)
     w64 = w.detach().double().requires_grad_() if w is not None else None
     b64 = b.detach().double().requires_grad_() if b is not None else None
     ref = gradients(lambda *t: gn.reference_group_norm(t[0], groups, t[1], t[2], 1e-5),
                     x64, w64, b64, dy.double())
     theirs = gradients(lambda *t: F.group_norm(t[0], groups, *weight_for_torch(t[0], t[1], t[2])),
-                       x.detach().requires_grad_(), *(t.detach().requires_grad_() if t is not None else None
+                       x.detach().requires_grad_(need_dx), *(t.detach().requires_grad_() if t is not None else None
                                                       for t in (w, b)), dy)
     N = x.shape[0]
     var = x.detach().double().reshape(N, groups, -1).var(dim=-1, unbiased=False)

@@ -21,8 +21,9 @@
 // terms of plan_backward (dx wanted, 16-byte vectors, and for channels-last
 // units of at most half the grid), backward_stream.cu (contiguous) or
 // backward_stream_channels_last.cu instead, which do steps 1, 2 and 4 in one
-// launch and read each tile the second time soon after the first. mean and rstd come from the
-// forward: nothing else is saved. No atomics: results do not depend on timing.
+// launch and read each tile the second time soon after the first. mean and
+// rstd come from the forward: nothing else is saved. No atomics: results do
+// not depend on timing.
 //
 // Tiles (chosen by plan_backward on the host):
 //   contiguous    rows of HxW (one per (sample, channel)); a row of at most
