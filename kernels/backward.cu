@@ -401,15 +401,14 @@ __device__ __forceinline__ void add_pairs(const A* p, int64_t first, int64_t end
 // Fewer pairs a thread (contiguous units, a few chunks a channel) take 2:
 // with 16 the kernel was 0.3-0.6 us slower there on an H100
 // (benchmarks/README.md, run AE). Writes the per-(sample, channel) affine
-// partials and, unless coef is null, the dx coefficients of every channel of
-// the group.
+// pairs (sum(dy), sum(dy * xhat)), unless affine_pairs is null, and the dx
+// coefficients of every channel of the group, unless coef is null.
 template <typename scalar_t, int kPairsInFlight>
 __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // see PartialLayout
                                   const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
                                   const acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
                                   const scalar_t* __restrict__ gamma,        // [C] or nullptr
-                                  acc_t<scalar_t>* dgamma_part,              // [N, C] or nullptr
-                                  acc_t<scalar_t>* dbeta_part,               // [N, C] or nullptr
+                                  acc_t<scalar_t>* affine_pairs,             // [N, C, 2] or nullptr
                                   Coef<acc_t<scalar_t>>* coef,               // [N, C] or nullptr
                                   int64_t unit, int C, int G, int64_t HxW, PartialLayout at,
                                   acc_t<scalar_t>* red_dy,   // [kBackwardThreads] shared
@@ -450,10 +449,7 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
         t_dy += red_dy[l * width + threadIdx.x];
         t_dyx += red_dyx[l * width + threadIdx.x];
       }
-      if (dgamma_part != nullptr) {
-        dgamma_part[n * C + c] = t_dyx * rs;
-        dbeta_part[n * C + c] = t_dy;
-      }
+      if (affine_pairs != nullptr) store_pair(affine_pairs + (n * C + c) * 2, t_dy, t_dyx * rs);
       s1 += weight(c) * t_dy;
       s2 += weight(c) * t_dyx;
     }
@@ -476,52 +472,33 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficie
     const acc_t<scalar_t>* __restrict__ mean,     // [N, G]
     const acc_t<scalar_t>* __restrict__ rstd,     // [N, G]
     const scalar_t* __restrict__ gamma,           // [C] or nullptr
-    acc_t<scalar_t>* __restrict__ dgamma_part,    // [N, C] or nullptr
-    acc_t<scalar_t>* __restrict__ dbeta_part,     // [N, C] or nullptr
+    acc_t<scalar_t>* __restrict__ affine_pairs,   // [N, C, 2] or nullptr
     Coef<acc_t<scalar_t>>* __restrict__ coef,     // [N, C] or nullptr
     int64_t N, int C, int G, int64_t HxW, PartialLayout at) {
   using A = acc_t<scalar_t>;
   __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[kBackwardWarps];
   for (int64_t unit = blockIdx.x; unit < N * G; unit += gridDim.x) {
-    unit_coefficients<scalar_t, 16>(partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, unit,
-                                    C, G, HxW, at, red_dy, red_dyx, scratch);
+    unit_coefficients<scalar_t, 16>(partial, mean, rstd, gamma, affine_pairs, coef, unit, C, G, HxW,
+                                    at, red_dy, red_dyx, scratch);
   }
 }
 
-// dgamma[c] = sum_n dgamma_part[n, c] (and the same for dbeta), in sample order.
+// dbeta[c], dgamma[c] = sums over samples of affine_pairs[n, c], in sample
+// order. 16 samples' loads are in flight (add_pairs): one at a time,
+// KernelBench L2-92's 128 samples took 16 us on an H100 (run AE), and with
+// them in flight its backward went from 66.6 to 67.7 % of the floor on an
+// H200 (run AH).
 template <typename scalar_t>
 __global__ void groupnorm_backward_affine_kernel(
-    const acc_t<scalar_t>* __restrict__ dgamma_part,  // [N, C]
-    const acc_t<scalar_t>* __restrict__ dbeta_part,   // [N, C]
-    scalar_t* __restrict__ dgamma,                    // [C]
-    scalar_t* __restrict__ dbeta,                     // [C]
+    const acc_t<scalar_t>* affine_pairs,  // [N, C, 2]: sum(dy), sum(dy * xhat)
+    scalar_t* __restrict__ dgamma,        // [C]
+    scalar_t* __restrict__ dbeta,         // [C]
     int64_t N, int C) {
   using A = acc_t<scalar_t>;
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
-  // kInFlight samples' loads are issued before their sums: one at a time,
-  // KernelBench L2-92's 128 samples took 16 us on an H100 (run AE), and
-  // with them in flight its backward went from 66.6 to 67.7 % of the floor
-  // on an H200 (run AH).
-  constexpr int kInFlight = 16;
-  A sg = 0, sb = 0;
-  for (int64_t n0 = 0; n0 < N; n0 += kInFlight) {
-    A g[kInFlight], b[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      if (n0 + u < N) {
-        g[u] = dgamma_part[(n0 + u) * C + c];
-        b[u] = dbeta_part[(n0 + u) * C + c];
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      if (n0 + u < N) {
-        sg += g[u];
-        sb += b[u];
-      }
-    }
-  }
+  A sb = 0, sg = 0;
+  add_pairs<16>(affine_pairs + int64_t(c) * 2, 0, N, 1, C, sb, sg);
   dgamma[c] = static_cast<scalar_t>(sg);
   dbeta[c] = static_cast<scalar_t>(sb);
 }

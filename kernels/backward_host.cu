@@ -227,13 +227,12 @@ std::string describe_backward_plan(const BackwardPlan& p) {
   return text + " (" + p.why + ")";
 }
 
-// The affine kernel: dgamma and dbeta from the per-sample partials.
+// The affine kernel: dgamma and dbeta from the per-sample affine pairs.
 template <typename scalar_t>
-void launch_backward_affine(const acc_t<scalar_t>* dgamma_part, const acc_t<scalar_t>* dbeta_part,
-                            scalar_t* dgamma, scalar_t* dbeta, int64_t N, int C,
-                            cudaStream_t stream) {
+void launch_backward_affine(const acc_t<scalar_t>* affine_pairs, scalar_t* dgamma, scalar_t* dbeta,
+                            int64_t N, int C, cudaStream_t stream) {
   groupnorm_backward_affine_kernel<scalar_t>
-      <<<unsigned((C + 255) / 256), 256, 0, stream>>>(dgamma_part, dbeta_part, dgamma, dbeta, N, C);
+      <<<unsigned((C + 255) / 256), 256, 0, stream>>>(affine_pairs, dgamma, dbeta, N, C);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -262,8 +261,7 @@ void run_backward_stream(const BackwardPlan& p, const Shape& s, const scalar_t* 
   C10_CUDA_CHECK(cudaMemsetAsync(base, 0, counters, stream));
   const StreamWorkspace ws = stream_workspace(base, units);
   A* pairs = reinterpret_cast<A*>(base + counters);
-  A* dgamma_part = need_affine ? pairs + tile_pairs : nullptr;
-  A* dbeta_part = need_affine ? dgamma_part + NC : nullptr;
+  A* affine_pairs = need_affine ? pairs + tile_pairs : nullptr;
   const StreamOrder order{t.tiles, p.lag};
   // L2 priorities on 16-byte loads (evict_last at the first read, evict_first
   // at the second): 2-17 points of the floor faster for float and bfloat16
@@ -275,19 +273,19 @@ void run_backward_stream(const BackwardPlan& p, const Shape& s, const scalar_t* 
       A* group_pairs = pairs;
       A* channel_pairs = need_affine ? pairs + 2 * s.N * t.chunks * s.G : nullptr;
       groupnorm_backward_stream_channels_last_kernel<scalar_t, V>
-          <<<unsigned(p.grid), kBackwardThreads, 0, stream>>>(
-              dy, x, mean, rstd, gamma, group_pairs, channel_pairs, dgamma_part, dbeta_part, dx, ws,
-              t, int(s.C), s.G, order, l2_hints);
+          <<<unsigned(p.grid), kBackwardThreads, 0, stream>>>(dy, x, mean, rstd, gamma, group_pairs,
+                                                              channel_pairs, affine_pairs, dx, ws,
+                                                              t, int(s.C), s.G, order, l2_hints);
     } else {
       groupnorm_backward_stream_kernel<scalar_t, V>
           <<<unsigned(p.grid), kBackwardThreads, 0, stream>>>(dy, x, mean, rstd, gamma, pairs,
-                                                              dgamma_part, dbeta_part, dx, ws, t,
-                                                              int(s.C), s.G, order, l2_hints);
+                                                              affine_pairs, dx, ws, t, int(s.C),
+                                                              s.G, order, l2_hints);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   if (need_affine)
-    launch_backward_affine<scalar_t>(dgamma_part, dbeta_part, dgamma, dbeta, s.N, int(s.C), stream);
+    launch_backward_affine<scalar_t>(affine_pairs, dgamma, dbeta, s.N, int(s.C), stream);
 }
 
 template <typename scalar_t>
@@ -313,8 +311,7 @@ void run_backward(const BackwardPlan& p, const Shape& s, const scalar_t* dy, con
   auto* base = storage.data_ptr<uint8_t>();
   Coef<A>* coef = dx ? reinterpret_cast<Coef<A>*>(base) : nullptr;
   A* partial = reinterpret_cast<A*>(base + (dx ? NC * sizeof(Coef<A>) : 0));
-  A* dgamma_part = need_affine ? partial + partial_count : nullptr;
-  A* dbeta_part = need_affine ? dgamma_part + NC : nullptr;
+  A* affine_pairs = need_affine ? partial + partial_count : nullptr;
 
   const unsigned grid = unsigned(p.grid);
   with_vec<scalar_t, 16>(p.vec, [&](auto v) {
@@ -332,10 +329,9 @@ void run_backward(const BackwardPlan& p, const Shape& s, const scalar_t* dy, con
                          p.channels_last ? s.C : 1};
   groupnorm_backward_coefficients_kernel<scalar_t>
       <<<unsigned(std::min(s.N * G, kMaxGrid)), kBackwardThreads, 0, stream>>>(
-          partial, mean, rstd, gamma, dgamma_part, dbeta_part, coef, s.N, C, G, s.HxW, at);
+          partial, mean, rstd, gamma, affine_pairs, coef, s.N, C, G, s.HxW, at);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  if (need_affine)
-    launch_backward_affine<scalar_t>(dgamma_part, dbeta_part, dgamma, dbeta, s.N, C, stream);
+  if (need_affine) launch_backward_affine<scalar_t>(affine_pairs, dgamma, dbeta, s.N, C, stream);
   if (dx == nullptr) return;
   with_vec<scalar_t, 16>(p.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;

@@ -57,10 +57,9 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
                                      const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
                                      const acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
                                      const scalar_t* __restrict__ gamma,        // [C] or nullptr
-                                     acc_t<scalar_t>* partial,      // [N * C, chunks, 2]
-                                     acc_t<scalar_t>* dgamma_part,  // [N, C] or nullptr
-                                     acc_t<scalar_t>* dbeta_part,   // [N, C] or nullptr
-                                     scalar_t* __restrict__ dx,     // [N * C, HxW]
+                                     acc_t<scalar_t>* partial,       // [N * C, chunks, 2]
+                                     acc_t<scalar_t>* affine_pairs,  // [N, C, 2] or nullptr
+                                     scalar_t* __restrict__ dx,      // [N * C, HxW]
                                      StreamWorkspace ws, BackwardTiles t, int C, int G,
                                      StreamOrder order, bool l2_hints) {
   using A = acc_t<scalar_t>;
@@ -127,10 +126,10 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
         completes_unit = add_acq_rel(&ws.arrived[unit], 1) == unit_tiles - 1;
       }
       __syncthreads();
-      if (completes_unit && dgamma_part != nullptr) {
+      if (completes_unit && affine_pairs != nullptr) {
         unit_coefficients<scalar_t, kStreamPairsInFlight<A>>(
-            partial, mean, rstd, gamma, dgamma_part, dbeta_part, nullptr, unit, C, G,
-            t.row_items * V, at, red_dy, red_dyx, scratch);
+            partial, mean, rstd, gamma, affine_pairs, nullptr, unit, C, G, t.row_items * V, at,
+            red_dy, red_dyx, scratch);
       }
     } else {
       // The loads above are in flight while thread 0 waits for the unit's

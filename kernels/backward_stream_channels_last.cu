@@ -80,8 +80,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
         const scalar_t* __restrict__ gamma,        // [C] or nullptr
         acc_t<scalar_t>* group_pairs,              // [N, chunks, G, 2]
         acc_t<scalar_t>* channel_pairs,            // [N, chunks, C, 2] or nullptr
-        acc_t<scalar_t>* dgamma_part,              // [N, C] or nullptr (with channel_pairs)
-        acc_t<scalar_t>* dbeta_part,               // [N, C] or nullptr
+        acc_t<scalar_t>* affine_pairs,             // [N, C, 2] or nullptr (with channel_pairs)
         scalar_t* __restrict__ dx,                 // [N, HxW, C]
         StreamWorkspace ws, BackwardTiles t, int C, int G, StreamOrder order, bool l2_hints) {
   // t: rows = N, row_items = HxW, chunk = rows per tile, chunks = tiles per
@@ -223,8 +222,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
         add_pair_sets<kStreamPairsInFlight<A>>(channel_pairs + (n * tiles * C + c_first) * 2, tiles,
                                                C, unit_C, red_dy, red_dyx, [&](int j, A a, A q) {
                                                  const int c = c_first + j;
-                                                 dgamma_part[n * C + c] = q * rstd[n * G + c / D];
-                                                 dbeta_part[n * C + c] = a;
+                                                 store_pair(affine_pairs + (n * C + c) * 2, a,
+                                                            q * rstd[n * G + c / D]);
                                                });
       }
     } else {
