@@ -165,7 +165,7 @@ __global__ void __launch_bounds__(kBackwardThreads,
         acc_t<scalar_t>* __restrict__ partial,     // [N*C, chunks, 2]
         BackwardTiles t, int C, int D) {
   using A = acc_t<scalar_t>;
-  __shared__ A scratch[kBackwardWarps];
+  __shared__ A scratch[2 * kBackwardWarps];
   const int G = C / D;
   const auto mean_of = [&](int64_t row) { return mean[(row / C) * G + (row % C) / D]; };
   for (int64_t b = blockIdx.x; b < t.tiles; b += gridDim.x) {
@@ -187,8 +187,7 @@ __global__ void __launch_bounds__(kBackwardThreads,
       row_sums<scalar_t, V>(dy + row * t.row_items * V, x + row * t.row_items * V, begin,
                             min(t.row_items, begin + t.chunk), threadIdx.x, blockDim.x,
                             mean_of(row), s_dy, s_dyx);
-      s_dy = block_sum(s_dy, scratch);
-      s_dyx = block_sum(s_dyx, scratch);
+      block_sum2(s_dy, s_dyx, scratch);
       if (threadIdx.x == 0) store_pair(partial + b * 2, s_dy, s_dyx);
     }
   }
@@ -411,9 +410,9 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
                                   acc_t<scalar_t>* affine_pairs,             // [N, C, 2] or nullptr
                                   Coef<acc_t<scalar_t>>* coef,               // [N, C] or nullptr
                                   int64_t unit, int C, int G, int64_t HxW, PartialLayout at,
-                                  acc_t<scalar_t>* red_dy,   // [kBackwardThreads] shared
-                                  acc_t<scalar_t>* red_dyx,  // [kBackwardThreads] shared
-                                  acc_t<scalar_t>* scratch) {
+                                  acc_t<scalar_t>* red_dy,     // [kBackwardThreads] shared
+                                  acc_t<scalar_t>* red_dyx,    // [kBackwardThreads] shared
+                                  acc_t<scalar_t>* scratch) {  // [2 * kBackwardWarps] shared
   using A = acc_t<scalar_t>;
   const int D = C / G;
   const auto weight = [&](int c) { return gamma != nullptr ? static_cast<A>(gamma[c]) : A(1); };
@@ -455,8 +454,7 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
     }
   }
   if (coef == nullptr) return;  // the same in every thread
-  s1 = block_sum(s1, scratch);
-  s2 = block_sum(s2, scratch);
+  block_sum2(s1, s2, scratch);
   const A M = A(D) * A(HxW);
   const A k1 = rs * s1 / M;
   const A k2 = rs * rs * rs * s2 / M;
@@ -476,7 +474,7 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficie
     Coef<acc_t<scalar_t>>* __restrict__ coef,     // [N, C] or nullptr
     int64_t N, int C, int G, int64_t HxW, PartialLayout at) {
   using A = acc_t<scalar_t>;
-  __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[kBackwardWarps];
+  __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[2 * kBackwardWarps];
   for (int64_t unit = blockIdx.x; unit < N * G; unit += gridDim.x) {
     unit_coefficients<scalar_t, 16>(partial, mean, rstd, gamma, affine_pairs, coef, unit, C, G, HxW,
                                     at, red_dy, red_dyx, scratch);

@@ -66,7 +66,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
   using VecT = Vec<scalar_t, V>;
   // 16-bit elements stay packed in words until used (see for_each_pair).
   using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
-  __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[kBackwardWarps];
+  __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[2 * kBackwardWarps];
   __shared__ long long ticket[2];  // the current and the next item
   __shared__ bool completes_unit;
   const int tid = threadIdx.x;
@@ -119,8 +119,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
           }
         }
       }
-      s_dy = block_sum(s_dy, scratch);
-      s_dyx = block_sum(s_dyx, scratch);
+      block_sum2(s_dy, s_dyx, scratch);
       if (tid == 0) {
         store_pair(partial + b * 2, s_dy, s_dyx);
         completes_unit = add_acq_rel(&ws.arrived[unit], 1) == unit_tiles - 1;
@@ -148,8 +147,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
         s1 += w * a;
         s2 += w * q;
       }
-      s1 = block_sum(s1, scratch);
-      s2 = block_sum(s2, scratch);
+      block_sum2(s1, s2, scratch);
       const int c = int(row % C);
       const A mu = mean[unit], rs = rstd[unit];
       const A M = A(D) * A(t.row_items * V);
