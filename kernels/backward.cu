@@ -482,10 +482,10 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficie
 }
 
 // dbeta[c], dgamma[c] = sums over samples of affine_pairs[n, c], in sample
-// order. 16 samples' loads are in flight (add_pairs): one at a time,
-// KernelBench L2-92's 128 samples took 16 us on an H100 (run AE), and with
-// them in flight its backward went from 66.6 to 67.7 % of the floor on an
-// H200 (run AH).
+// order, 16 samples' loads in flight (add_pairs). Loaded one at a time,
+// KernelBench L2-92's 128 samples took 16 us on an H100 (run AE); with 16 in
+// flight its backward went from 66.6 to 67.7 % of the floor on an H200
+// (run AH).
 template <typename scalar_t>
 __global__ void groupnorm_backward_affine_kernel(
     const acc_t<scalar_t>* affine_pairs,  // [N, C, 2]: sum(dy), sum(dy * xhat)
