@@ -1,9 +1,9 @@
 // Synthetic kernels with the backward's memory traffic and none (or part) of
 // its arithmetic, to measure how fast the stream backward's access pattern
 // can go on a card (benchmarks/backward_ceiling.py). The input is cut into
-// flat tiles of kTileVecs 16-byte vectors of x and of dy, kItems a thread,
-// as in backward_stream.cu; the caller passes the grid (two 256-thread CTAs
-// per SM, as the stream kernel).
+// flat tiles of kTileVecs 16-byte vectors of x and of dy, kItems a thread:
+// the size of backward_stream.cu's tiles, whose own stop at row ends. The
+// caller passes the grid (two 256-thread CTAs per SM, as the stream kernel).
 //   kOneRead         each tile read once, dx written: the floor's own pattern.
 //   kTwoReadsStatic  the stream order of stream_order.cuh (a first read with
 //                    evict_last, a second `lag` tiles later with evict_first
@@ -12,14 +12,16 @@
 //   kTwoReadsTickets the same order, items claimed from an atomic ticket as
 //                    the stream kernel claims them (next ticket stored at the
 //                    item's end).
-//   kTwoReadsSynced  as kTwoReadsTickets, plus what the stream kernel's
-//                    synchronisation costs: two block sums and a relaxed
-//                    arrival count per first read; a wait for every tile of
-//                    its `unit` and one block sum per second read.
+//   kTwoReadsSynced  as kTwoReadsTickets, plus most of the stream kernel's
+//                    synchronisation: two block sums and an arrival count per
+//                    first read; a wait for every tile of its `unit` and one
+//                    block sum per second read. The arrivals and the wait are
+//                    relaxed, cheaper than the stream kernel's release and
+//                    acquire (benchmarks/README.md, run AI).
 // Results are meaningless numbers; only the time is read.
 //
-// The ticket order, the hinted loads and block_sum are the stream kernels'
-// own (kernels/ is on the include path).
+// The ticket order, the hinted loads and block_sum come from kernels/ (on the
+// include path).
 #include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 

@@ -9,8 +9,8 @@ with none or part of its work:
     two no-hint    the same without L2 hints
     two 2xlag      the same at twice the lag
     two+tickets    the stream order claimed from an atomic ticket
-    two+sync       two+tickets plus block sums, arrivals per `unit` tiles
-                   (64) and waits
+    two+sync       two+tickets plus block sums, relaxed arrivals per `unit`
+                   tiles (64) and waits
     real           groupnorm_inline's backward (dx, dweight, dbias), auto plan
 
 Lags are the real plan's. % of the floor (read x and dy, write dx once at the
@@ -19,8 +19,9 @@ copy bandwidth measured in the same run), best of 3 interleaved rounds.
     python3 benchmarks/backward_ceiling.py [--units 8,64,256] [case indices]
 
 --units replaces the columns by two+tickets at the plan's lag, plus half a
-grid and plus a grid, and two+sync for each unit size at the lags the plan
-would take for such units.
+grid and plus a grid, and two+sync for each unit size at three lags: the
+larger of the plan's lag and the unit, a unit plus half a grid, and a unit
+plus a grid.
 """
 import argparse
 import math
