@@ -310,9 +310,9 @@ void plan_teams(Plan& p, const void* kernel, int device, int64_t items, size_t i
   int64_t T, kept, teams = p.units;
   if (req.team > 0) {
     T = std::min<int64_t>(req.team, items);
-    TORCH_CHECK_VALUE(T <= max_team, message("groupnorm: a team of ", req.team,
-                                             " CTAs cannot be co-resident on this device (at most ",
-                                             max_team, ")"));
+    TORCH_CHECK(T <= max_team,
+                message("groupnorm: a team of ", req.team,
+                        " CTAs cannot be co-resident on this device (at most ", max_team, ")"));
     kept = std::min((items + T - 1) / T, most_items);
     while (T > 1 && kept > 0 && capacity(kept) < T) kept /= 2;
     p.why = "team forced to " + std::to_string(T);
@@ -595,12 +595,11 @@ bool plan_registers(Plan& p, const Shape& s, int device, const Request& req) {
   }
   const bool fits = ranks == 1 || (clusters && ranks <= kRegistersMaxRanks);
   if (forced) {
-    TORCH_CHECK_VALUE(fits,
-                      message("groupnorm: the registers kernel holds at most ", per_cta,
+    TORCH_CHECK(fits, message("groupnorm: the registers kernel holds at most ", per_cta,
                               " vectors per group in one CTA, or ", per_cluster,
                               " in a cluster of CTAs (sm_90 and later), got ", vectors, " of ", v,
                               " elements", clusters ? "" : " (no clusters on this device)"));
-    TORCH_CHECK_VALUE(req.team <= 1, "groupnorm: the registers kernel has no teams");
+    TORCH_CHECK(req.team <= 1, "groupnorm: the registers kernel has no teams");
   } else if (!fits) {
     return false;
   }
@@ -732,12 +731,12 @@ Plan choose_plan(const Shape& s, int device, const Request& req) {
       plan_teams(p, k, device, s.HxW, C * s.elem, s.G / blocks, p.rows_per_step * int(C), acc, req);
       return p;
     }
-    TORCH_CHECK_VALUE(req.kernel != "channels_last",
-                      message("groupnorm: the channels_last kernel needs C / ", v,
-                              " <= ", kChannelsLastMaxThreads, ", got C = ", s.C));
+    TORCH_CHECK(req.kernel != "channels_last",
+                message("groupnorm: the channels_last kernel needs C / ", v,
+                        " <= ", kChannelsLastMaxThreads, ", got C = ", s.C));
     p.why = "C too wide for one thread per column; ";
   }
-  TORCH_CHECK_VALUE(req.team <= 1, "groupnorm: the reference kernel has no teams");
+  TORCH_CHECK(req.team <= 1, "groupnorm: the reference kernel has no teams");
   p.kernel = Kernel::Reference;
   p.units = s.N * s.G;
   p.grid = std::min(p.units, kMaxGrid);
