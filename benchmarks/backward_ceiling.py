@@ -78,20 +78,15 @@ def main():
         del xs
         text = gn.plan(sets[0][1], groups, backward=True)
         lag = int(text.split("lag=")[1].split()[0]) if "lag=" in text else grid
-        rotate = {"i": 0}
-
-        def next_set():
-            rotate["i"] = (rotate["i"] + 1) % len(sets)
-            return sets[rotate["i"]]
 
         def pattern(mode, lag, hints=True, unit=64):
-            def call():
-                dy, x, _, _, dx = next_set()
+            def call(inputs):
+                dy, x, _, _, dx = inputs
                 patterns.run_pattern(dy, x, dx, mode, lag, unit, hints, grid)
-            return call
+            return bench.rotating(call, sets)
 
-        def real():
-            dy, x, mean, rstd, _ = next_set()
+        def backward(inputs):
+            dy, x, mean, rstd, _ = inputs
             ext.backward(dy, x, mean, rstd, weight, groups, True, True, "auto", 0)
 
         if args.units:
@@ -106,7 +101,7 @@ def main():
                     "two no-hint": pattern(TWO_STATIC, lag, hints=False),
                     "two 2xlag": pattern(TWO_STATIC, 2 * lag),
                     "two+tickets": pattern(TWO_TICKETS, lag), "two+sync": pattern(TWO_SYNCED, lag)}
-        runs["real"] = real
+        runs["real"] = bench.rotating(backward, sets)
         times = {name: [] for name in runs}
         for _ in range(3):
             for name, call in runs.items():
