@@ -43,9 +43,19 @@ __all__ = [
 _EMBEDDED_SOURCES = None  # replaced by `bundle`
 
 _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in globals() else None
-_CUDA_ROOT = "extension.cu"          # includes every other .cu/.cuh it needs
-_CPP_ROOT = "bindings.cpp"          # the C++ translation unit (declarations + autograd)
-_FUNCTIONS = ["forward", "plan", "backward", "backward_plan", "forward_autograd"]
+# The extension is compiled as separate translation units, in parallel: the
+# host code, the Python module, and each kernel family once per dtype.
+_HOST_UNITS = ["device.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp", "bindings.cpp"]
+_KERNEL_UNITS = ["launch_forward_small.cu", "launch_forward_team.cu", "launch_forward_stream.cu",
+                 "launch_backward.cu"]
+_UNIT_DTYPES = {"float": "float", "double": "double", "half": "c10::Half",
+                "bfloat16": "c10::BFloat16"}
+# Everything but the Python module as one translation unit, and the
+# declarations to bind: the KernelBench export (load_inline compiles strings).
+_SINGLE_UNIT = "extension.cu"
+_DECLARATIONS = "ops.h"
+_FUNCTIONS = ["forward"]
+_CXX_FLAGS = ["-O3"]
 _CUDA_FLAGS = ["-O3"]   # torch adds its own -std (C++17 or C++20 by version)
 _DEFAULT_ARCH = "9.0"                # used when no GPU is visible (CI compiles this way)
 _LOCAL_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
@@ -80,8 +90,9 @@ def _expand(name, seen):
 
 
 def sources():
-    """(C++ translation unit, CUDA translation unit) exactly as they are compiled."""
-    return _expand(_CPP_ROOT, set()), _expand(_CUDA_ROOT, set())
+    """(declarations, single CUDA translation unit) as strings, for
+    load_inline: every kernel source inlined once."""
+    return _expand(_DECLARATIONS, set()), _expand(_SINGLE_UNIT, set())
 
 
 def _arch_list():
@@ -99,8 +110,8 @@ def _arch_list():
 def extension_name(arch=None):
     """Name of the compiled extension: a hash of everything that shapes the
     binary, so an edited kernel can never load a stale build."""
-    cpp, cuda = sources()
-    key = "\0".join([cpp, cuda, " ".join(_CUDA_FLAGS), arch or _arch_list(), torch.__version__,
+    key = "\0".join([*(name + "\0" + _read_source(name) for name in _kernel_files()),
+                     " ".join(_CXX_FLAGS + _CUDA_FLAGS), arch or _arch_list(), torch.__version__,
                      str(torch.version.cuda), sys.version.split()[0]])
     return "groupnorm_inline_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
@@ -152,10 +163,69 @@ def _load_cached(cpp_extension, name, built, lock):
         file_lock.release()
 
 
+def _write_sources(build_dir):
+    """The translation units to compile, written under build_dir: the kernel
+    sources in src/, and for each kernel family one file per dtype that
+    includes it (GROUPNORM_DTYPES, kernels/launch.cuh)."""
+    src = os.path.join(build_dir, "src")
+    os.makedirs(src, exist_ok=True)
+
+    def write(path, text):
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                if f.read() == text:
+                    return  # unchanged: ninja keeps its object
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    for name in _kernel_files():
+        write(os.path.join(src, name), _read_source(name))
+    units = [os.path.join(src, name) for name in _HOST_UNITS]
+    for family in _KERNEL_UNITS:
+        for dtype, type_name in _UNIT_DTYPES.items():
+            path = os.path.join(build_dir, f"{family[:-3]}_{dtype}.cu")
+            write(path, f"#define GROUPNORM_DTYPES(X) X({type_name})\n#include \"{family}\"\n")
+            units.append(path)
+    return units
+
+
+class _Progress:
+    """Prints each translation unit as its object file appears, with the
+    time since the build started: ninja runs them in parallel, silently."""
+
+    def __init__(self, build_dir, units):
+        import threading
+        objects = {os.path.splitext(os.path.basename(u))[0] + (".cuda.o" if u.endswith(".cu") else ".o")
+                   for u in units}
+        self._pending = {os.path.join(build_dir, o) for o in objects}
+        self._total = len(objects)
+        self._start = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self):
+        done = 0
+        while not self._stop.wait(0.5):
+            for path in sorted(p for p in self._pending if os.path.exists(p)):
+                self._pending.discard(path)
+                done += 1
+                print(f"groupnorm_inline: [{done}/{self._total}] {os.path.basename(path)} "
+                      f"({time.perf_counter() - self._start:.0f} s)", file=sys.stderr, flush=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
 def load():
     """The compiled extension, built on first use and cached on disk.
 
-    A fresh build prints one line before and one after; a cached load is silent.
+    A fresh build prints what it compiles and when each unit is done; a
+    cached load is silent.
     """
     global _extension
     if _extension is not None:
@@ -172,17 +242,20 @@ def load():
         return module
 
     _check_toolchain()
+    units = _write_sources(build_dir)
     sm = ", ".join("sm_" + a.replace(".", "").replace("+PTX", "") for a in re.split(r"[ ;]+", arch) if a)
-    print(f"groupnorm_inline: building CUDA kernels for {sm} (first use, about 1-3 minutes)...",
+    print(f"groupnorm_inline: building CUDA kernels for {sm} (first use): {len(units)} translation "
+          f"units, {os.environ.get('MAX_JOBS') or os.cpu_count()} at a time...",
           file=sys.stderr, flush=True)
     start = time.perf_counter()
-    cpp, cuda = sources()
     saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     try:
-        module = cpp_extension.load_inline(
-            name=name, cpp_sources=cpp, cuda_sources=cuda, functions=_FUNCTIONS,
-            extra_cflags=["-O3"], extra_cuda_cflags=_CUDA_FLAGS, verbose=False)
+        with _Progress(build_dir, units):
+            module = cpp_extension.load(
+                name=name, sources=units, extra_cflags=_CXX_FLAGS, extra_cuda_cflags=_CUDA_FLAGS,
+                extra_include_paths=[os.path.join(build_dir, "src")], build_directory=build_dir,
+                verbose=False)
     finally:
         if saved is None:
             del os.environ["TORCH_CUDA_ARCH_LIST"]
@@ -255,7 +328,7 @@ def _cuda_forward(x, gamma, beta, groups, eps):
     if torch.compiler.is_compiling():
         return torch.ops.groupnorm_inline.forward(x, gamma, beta, groups, eps)[0]
     if not _needs_grad(x, gamma, beta):
-        return load().forward(x, gamma, beta, groups, eps, "auto", 0)[0]
+        return load().forward(x, gamma, beta, groups, eps, "auto", 0, 0)[0]
     return load().forward_autograd(x, gamma, beta, groups, eps)
 
 
@@ -359,7 +432,7 @@ def _stat_dtype(x):
 
 def _forward_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                   groups: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, mean, rstd = load().forward(x, weight, bias, groups, eps, "auto", 0)
+    y, mean, rstd = load().forward(x, weight, bias, groups, eps, "auto", 0, 0)
     return y, mean, rstd
 
 

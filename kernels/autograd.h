@@ -3,19 +3,21 @@
 // autograd.Function would (tens of microseconds per step on small inputs).
 // torch.compile and torch.export use the registered torch.library op instead;
 // both run the same forward() and backward() entry points.
+#pragma once
+
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
+
+#include "ops.h"
 
 // Autograd makes an input edge only for each defined tensor argument:
 // needs_input_grad takes that edge's index, so absent weight/bias shift it.
-// groupnorm_inline.py calls this with both weight and bias or with neither:
-// with only one of them the backward failed on torch 2.11 ("tensor does not
-// have a device"), so that case takes the registered op.
 class GroupNormFunction : public torch::autograd::Function<GroupNormFunction> {
  public:
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const c10::optional<at::Tensor>& weight,
                             const c10::optional<at::Tensor>& bias, int64_t groups, double eps) {
-    std::vector<at::Tensor> out = ::forward(x, weight, bias, groups, eps, "auto", 0);
+    std::vector<at::Tensor> out = ::forward(x, weight, bias, groups, eps, "auto", 0, 0);
     // mean and rstd ([N, G] fp32) are all the backward needs beyond x and weight.
     const bool has_weight = weight.has_value() && weight->defined();
     const bool has_bias = bias.has_value() && bias->defined();

@@ -1,20 +1,35 @@
-// The C++ side of the extension: declarations of the CUDA entry points and the
-// eager autograd function. load_inline binds the names in `functions=` to Python.
-#include <string>
-#include <vector>
-
-std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                                const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
-                                const std::string& kernel, int64_t team);
-
-std::string plan(const at::Tensor& x, int64_t groups, const std::string& kernel, int64_t team);
-
-std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
-                                 const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
-                                 int64_t groups, bool need_dx, bool need_affine,
-                                 const std::string& kernel, int64_t lag);
-
-std::string backward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
-                          int64_t lag);
+// The Python module: the entry points of ops.h, plans as dicts, and the
+// eager autograd function (autograd.h).
+#include <torch/csrc/utils/pybind.h>
 
 #include "autograd.h"
+#include "ops.h"
+
+namespace {
+
+pybind11::dict as_dict(const groupnorm::PlanFields& fields) {
+  pybind11::dict out;
+  for (const auto& [name, value] : fields) {
+    std::visit([&](const auto& v) { out[pybind11::str(name)] = pybind11::cast(v); }, value);
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "GroupNorm forward: [y, mean, rstd]");
+  m.def("backward", &backward, "GroupNorm backward: [dx, dweight, dbias]");
+  m.def("forward_autograd", &forward_autograd, "GroupNorm forward with eager autograd");
+  m.def(
+      "plan",
+      [](const at::Tensor& x, int64_t groups, const std::string& kernel, int64_t team,
+         int64_t lag) { return as_dict(forward_plan(x, groups, kernel, team, lag)); },
+      "The forward's plan for x, as a dict");
+  m.def(
+      "backward_plan",
+      [](const at::Tensor& x, int64_t groups, const std::string& kernel, int64_t lag) {
+        return as_dict(backward_plan(x, groups, kernel, lag));
+      },
+      "The backward's plan for x, as a dict");
+}

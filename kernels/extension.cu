@@ -1,3 +1,12 @@
-// The translation unit load_inline compiles: every entry point in bindings.cpp.
-#include "backward_host.cu"
-#include "forward_host.cu"
+// Every translation unit of the library as one, for a plain nvcc build and
+// the KernelBench export (load_inline compiles a single CUDA string). The
+// loader instead compiles each file on its own, in parallel, with
+// bindings.cpp as the Python module.
+#include "device.cpp"
+#include "ops.cpp"
+#include "plan_backward.cpp"
+#include "plan_forward.cpp"
+#include "launch_backward.cu"
+#include "launch_forward_small.cu"
+#include "launch_forward_stream.cu"
+#include "launch_forward_team.cu"

@@ -3,11 +3,11 @@
 // than fast; it takes any layout whose trailing dims flatten to one stride
 // (contiguous and channels-last both do), and is the path tests compare the
 // fast kernels against and the fallback for shapes they do not take.
-#include "common.cuh"
+#pragma once
+
+#include "reduce.cuh"
 
 namespace groupnorm {
-
-constexpr int kReferenceThreads = 256;
 
 template <typename scalar_t>
 __global__ void __launch_bounds__(kReferenceThreads) groupnorm_forward_reference_kernel(

@@ -17,19 +17,14 @@
 // part, publishes the sum in its shared memory, and every CTA adds the
 // cluster's sums in rank order through distributed shared memory, so all of
 // them normalise with the same bits. Still one read of x and no workspace.
+#pragma once
+
 #include <cooperative_groups.h>
 
-#include "common.cuh"
+#include "epilogue.cuh"
+#include "reduce.cuh"
 
 namespace groupnorm {
-
-constexpr int kRegistersMaxThreads = 512;
-// The kernel is built for K = 4 and K = 16 vectors per thread: K = 16 takes
-// groups of up to 8192 vectors but needs about twice the registers, which
-// would cut the CTAs per SM of the many small groups that K = 4 holds.
-constexpr int kRegistersFewItems = 4;
-constexpr int kRegistersManyItems = 16;
-constexpr int kRegistersMaxRanks = 8;  // CTAs of a cluster (the portable maximum)
 
 // The sum over the `ranks` CTAs of this CTA's cluster of one value per CTA
 // (`block_total`, the same in every thread), added in rank order. `slot` is
@@ -75,7 +70,7 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
     acc_t<scalar_t> eps) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
-  using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
+  using Raw = RawVec<scalar_t, V>;
   __shared__ A scratch[kRegistersMaxThreads / kWarp];
   __shared__ A cluster_slots[2];  // this CTA's sum and M2, read by its cluster
   // The host guarantees L <= ranks * blockDim.x * K * V (so L fits an int),
@@ -153,15 +148,12 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
       } else {  // a vector spans V channels
         const int64_t c = c_first + (i % cols) * V;
 #pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const ChannelAffine<A> f = channel_affine(c + e, rs, gamma, beta);
-          out.val[e] = static_cast<scalar_t>((static_cast<A>(v.val[e]) - mu) * f.scale + f.shift);
-        }
+        for (int e = 0; e < V; ++e) out.val[e] = normalise(v.val[e], mu, channel_affine(c + e, rs, gamma, beta));
       }
       store_vec_streaming<scalar_t, V>(y + base + offset(i), out);
     }
-    cluster_barrier<kClustered>(
-        ranks);  // the cluster's slots are read; they may be reused or freed
+    // The cluster's slots are read: they may be reused or freed.
+    cluster_barrier<kClustered>(ranks);
   }
 }
 

@@ -16,34 +16,21 @@
 //                       and writes dx.
 // Each dx item adding its unit's pairs (D x chunks of them, at most one a
 // thread on the suite's shapes) keeps the path from a unit's last sums item
-// to its dx items to one arrival and one read. Measured on an H100
-// (benchmarks/README.md, run X), backward alone, against a version in which
-// the CTA completing a unit wrote the coefficients for the dx items to read:
-// 66 -> 84 % of the floor on KernelBench L1-35 and 4-6 points more on the
-// other suite shapes, at the default lag.
+// to its dx items to one arrival and one read.
 // The CTA whose tile completes a unit writes its affine partials
 // (unit_coefficients); no dx item waits for that. A tile is `chunk` vectors
 // of one channel row (a row is cut into `chunks` tiles),
 // kStreamBackwardItems vectors of x and of dy per thread, held in registers
 // between the loads and their use. dgamma and dbeta are added over the
 // samples by the affine kernel afterwards, as in the four-launch path. Extra
-// memory: the pair of every tile and the counters of a StreamWorkspace
-// (`ready` unused; no ring: a sums item never waits).
+// memory: the pair of every tile and the arrival counters (no ring: a sums
+// item never waits).
 #pragma once
 
-#include "backward.cu"
-#include "stream_order.cuh"
+#include "backward_passes.cuh"
+#include "stream.cuh"
 
 namespace groupnorm {
-
-// 8 vectors of x and 8 of dy per thread (2048-vector tiles, 32 KiB of each
-// input with 16-byte vectors) at two CTAs per SM, 128 registers without
-// spills. Measured on an H100 against 4 vectors at three CTAs per SM and 6 at
-// three (benchmarks/README.md): 2-6 points of the floor better on every suite
-// shape but KernelBench L1-35 (1 point worse).
-constexpr int kStreamBackwardItems = 8;
-constexpr int kStreamBackwardTileVecs = kBackwardThreads * kStreamBackwardItems;
-constexpr int kStreamBackwardBlocksPerSm = 2;
 
 // Partial pairs a thread has in flight when it adds a unit's pairs (add_pairs):
 // 8 float or 2 double pairs, as many as fit the 128 registers without spills.
@@ -64,8 +51,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
                                      StreamOrder order, bool l2_hints) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
-  // 16-bit elements stay packed in words until used (see for_each_pair).
-  using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
+  using Raw = RawVec<scalar_t, V>;
   __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[2 * kBackwardWarps];
   __shared__ long long ticket[2];  // the current and the next item
   __shared__ bool completes_unit;
@@ -77,7 +63,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
   const auto weight = [&](int c) { return gamma != nullptr ? static_cast<A>(gamma[c]) : A(1); };
 
   // The ticket loop of groupnorm_stream_kernel, written out here as there
-  // (forward_stream_channels_last.cu says why). The next ticket's latency
+  // (forward_stream_channels_last.cuh says why). The next ticket's latency
   // hides behind this item; it is read after this item's last barrier.
   if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
   long long next_ticket = 0;  // thread 0's claim, stored at the item's end (see there)
@@ -158,7 +144,8 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
         const int64_t i = int64_t(u) * kBackwardThreads + tid;
         if (i < count) {
           store_vec_streaming<scalar_t, V>(
-              out + i * V, dx_of<scalar_t, V>(as_vec<VecT>(g[u]), as_vec<VecT>(v[u]), &k, 0));
+              out + i * V,
+              dx_vec<scalar_t, V>(as_vec<VecT>(g[u]), as_vec<VecT>(v[u]), [&](int) { return k; }));
         }
       }
     }

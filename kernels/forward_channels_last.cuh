@@ -18,16 +18,13 @@
 // Thread layout: cols = C / V threads cover a unit's row, rows_per_step rows go in
 // parallel; threads beyond cols * rows_per_step (the block is rounded up to
 // whole warps) only help with the reductions.
-#include "common.cuh"
+#pragma once
+
+#include "epilogue.cuh"
+#include "team.cuh"
 
 namespace groupnorm {
 
-// Threads a CTA may have. The launch bounds ask for one such CTA per SM, so
-// up to 128 registers a thread: at two (64 registers) the kernel spilled
-// 72-400 bytes a thread, and on an H100 the single-sample SD VAE shape
-// 1x128x512x512 bf16 ran at 40 % of the floor against 49 % without spills
-// (smaller CTAs still fit two or more an SM; benchmarks/README.md, run AD).
-constexpr int kChannelsLastMaxThreads = 512;
 constexpr int kRowUnroll = 4;  // independent row loads in flight per thread
 
 // 1 / n rounded to nearest (IEEE), for the running mean's update.
@@ -105,8 +102,8 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
         copy_to_shared_async(reinterpret_cast<VecT*>(ks + r * C),
                              reinterpret_cast<const VecT*>(src));
       }
-      load_each<kRowUnroll, scalar_t, V>(xs, ldc, nkept + row_lane, rows, rows_per_step,
-                                         [&](const VecT& v) {
+      load_each<kRowUnroll, scalar_t, V>(nkept + row_lane, rows, rows_per_step, ldc,
+                                         [&](int64_t, const VecT& v) {
                                            const A inv = reciprocal(A(++run_n));
 #pragma unroll
                                            for (int e = 0; e < V; ++e) {
@@ -115,7 +112,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
                                              run_mean[e] += d * inv;
                                              run_m2[e] += d * (xe - run_mean[e]);
                                            }
-                                         });
+                                         }, xs);
 #pragma unroll
       for (int e = 0; e < V; ++e) sum[e] = A(run_n) * (run_mean[e] - shift[e]);
       copy_to_shared_wait();
@@ -161,10 +158,8 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     team_combine(ws, team, rank, T, round, G, count_of, A(HxW * D), eps, sh.local_mean, sh.local_m2,
                  sh.mean, sh.rstd, sh.red, mean + unit * G, rstd + unit * G);
 
-    // Sweep 3: y = (x - mean) * a + beta, a = rstd * gamma, per channel.
-    // The rows not kept go first, while L2 still holds what sweep 1 read of
-    // them, and before the kept rows' y takes L2 space: 0.6-1.2 points of the
-    // floor on the re-read shapes on an H100 (benchmarks/README.md, run AE).
+    // Sweep 3: y = (x - mean) * a + beta, a = rstd * gamma, per channel. The
+    // rows not kept go first, while L2 still holds what sweep 1 read of them.
     if (sweeps) {
       A mu[V], a[V], b[V];
 #pragma unroll
@@ -174,7 +169,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
         a[e] = gamma != nullptr ? rs * static_cast<A>(gamma[c_unit + c0 + e]) : rs;
         b[e] = beta != nullptr ? static_cast<A>(beta[c_unit + c0 + e]) : A(0);
       }
-      const auto normalise = [&](const VecT& v, int64_t r) {
+      const auto normalise_at = [&](int64_t r, const VecT& v) {
         VecT out;
 #pragma unroll
         for (int e = 0; e < V; ++e) {
@@ -182,9 +177,10 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
         }
         store_vec_streaming<scalar_t, V>(ys + r * ldc, out);
       };
-      load_each<kRowUnroll, scalar_t, V>(xs, ldc, nkept + row_lane, rows, rows_per_step, normalise);
+      load_each<kRowUnroll, scalar_t, V>(nkept + row_lane, rows, rows_per_step, ldc, normalise_at,
+                                         xs);
       for (int r = row_lane; r < nkept; r += rows_per_step) {
-        normalise(load_vec<scalar_t, V>(ks + r * C), r);
+        normalise_at(r, load_vec<scalar_t, V>(ks + r * C));
       }
     }
     __syncthreads();  // the kept rows and shared statistics are reused

@@ -10,11 +10,13 @@
 // which L2 often still holds.
 // Teams loop over units (unit = team, team + teams, ...), so the grid is
 // persistent and, for T > 1, co-resident.
-#include "common.cuh"
+#pragma once
+
+#include "epilogue.cuh"
+#include "team.cuh"
 
 namespace groupnorm {
 
-constexpr int kContiguousThreads = 256;
 constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
 
 template <typename scalar_t, int V>
@@ -57,30 +59,30 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
     // copies are in flight.
     const A shift = count > 0 ? static_cast<A>(xs[0]) : A(0);
     A sum = 0;
-    const auto add = [&](const VecT& v) {
+    const auto add = [&](int64_t, const VecT& v) {
 #pragma unroll
       for (int e = 0; e < V; ++e) sum += static_cast<A>(v.val[e]) - shift;
     };
     for (int i = tid; i < nkept; i += threads) {
       copy_to_shared_async(&on_chip[i], reinterpret_cast<const VecT*>(xs + i * V));
     }
-    load_each<kUnroll, scalar_t, V>(xs, V, nkept + tid, nvec, threads, add);
+    load_each<kUnroll, scalar_t, V>(nkept + tid, nvec, threads, V, add, xs);
     copy_to_shared_wait();
-    for (int i = tid; i < nkept; i += threads) add(on_chip[i]);
+    for (int i = tid; i < nkept; i += threads) add(i, on_chip[i]);
     const A local_mean = count > 0 ? shift + block_sum(sum, sh.red) / A(count) : A(0);
 
     // Sweep 2: sum of squares about the slice mean (exact centring, so
     // 1000 + randn keeps its digits).
     A m2 = 0;
-    const auto add_squares = [&](const VecT& v) {
+    const auto add_squares = [&](int64_t, const VecT& v) {
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         const A d = static_cast<A>(v.val[e]) - local_mean;
         m2 += d * d;
       }
     };
-    for (int i = tid; i < nkept; i += threads) add_squares(on_chip[i]);
-    load_each<kUnroll, scalar_t, V>(xs, V, nkept + tid, nvec, threads, add_squares);
+    for (int i = tid; i < nkept; i += threads) add_squares(i, on_chip[i]);
+    load_each<kUnroll, scalar_t, V>(nkept + tid, nvec, threads, V, add_squares, xs);
     m2 = block_sum(m2, sh.red);
     if (tid == 0) {
       sh.local_mean[0] = local_mean;
@@ -98,15 +100,15 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
     const int64_t c0 = int64_t(unit % G) * D;
     const int64_t start_channel = begin / HxW;
     const int64_t start_offset = begin - start_channel * HxW;
-    const auto normalise = [&](const VecT& v, int64_t i) {
+    const auto normalise_at = [&](int64_t i, const VecT& v) {
       const int64_t within = start_offset + i * V;
       const int64_t ch =
           start_channel + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
       store_vec_streaming<scalar_t, V>(
           ys + i * V, normalise_vec(v, mu, channel_affine(c0 + ch, rs, gamma, beta)));
     };
-    for (int i = tid; i < nkept; i += threads) normalise(on_chip[i], i);
-    load_each<kUnroll, scalar_t, V>(xs, V, nkept + tid, nvec, threads, normalise);
+    for (int i = tid; i < nkept; i += threads) normalise_at(i, on_chip[i]);
+    load_each<kUnroll, scalar_t, V>(nkept + tid, nvec, threads, V, normalise_at, xs);
     __syncthreads();  // the kept slice and shared statistics are reused
   }
 }

@@ -4,14 +4,9 @@
 //
 // Every unit (sample, group) is cut into pieces of kStreamPieceVecs vectors.
 // Each piece is visited twice: a statistics item (exact centred mean and M2
-// of the piece) and, later, a normalise item. CTAs claim items from one
-// ticket counter in a fixed order in which the statistics run `lag` pieces
-// ahead of the normalisation:
-//
-//   S(0) .. S(lag-1), S(lag) N(0), S(lag+1) N(1), ..., N(total-lag) .. N(total-1)
-//
-// so a piece is read a second time while L2 still holds it from its first
-// read, lag pieces later. A normalise item loads its piece, then learns its
+// of the piece) and, `lag` pieces later in the ticket order of stream.cuh,
+// a normalise item, which should find the piece still in L2.
+// A normalise item loads its piece, then learns its
 // unit's mean and rstd in one of two ways (kEachMerges, host's choice):
 //  - once: the CTA whose statistics item completes the unit merges the unit's
 //    pieces in piece order (deterministic), writes mean and rstd and raises
@@ -21,34 +16,8 @@
 //    (the same values: the same result); piece 0's item writes mean and rstd.
 //    No item waits on another CTA's merge, which is what a normalise item
 //    starting soon after its unit's last statistics item would do.
-// Measured on an H100 (benchmarks/README.md, run AA): "each" is 2-15 points
-// of the floor faster when fewer than three quarters of the items in flight
-// separate a unit's last statistics item from its first normalise item (the
-// completing CTA's merge is often still running then; KernelBench L1-35 by
-// default: 70 -> 79 %), and up to 4 points slower with more (its merge adds
-// latency to every normalise item).
-//
-// Tried and slower on an H200 (benchmarks/README.md): pieces staged in shared
-// memory by cp.async, three per CTA, so loads run while a CTA reduces;
-// reading each atomic's result one item later instead of at once; and
-// independent warps with a static schedule (4 KiB pieces, no block barrier),
-// at half this kernel's speed. On an H100: pieces kept in shared memory (bulk
-// copies into a ring of slots) until their unit is ready, bound by the global
-// round trips each piece costs its CTA (KernelBench L1-35: 39-67 % of the
-// floor against 70 %). The limit of this kernel (Nsight Compute on an H100,
-// run AC): it reads 1.08-1.16x the input from DRAM (most second reads hit
-// L2; 1.6-1.7x in run N, before the changes of runs S-AA), but keeps DRAM
-// busy only 50-68 % of the time.
-//
-// No deadlock, whatever is resident: lag >= pieces per unit puts every
-// statistics item of a unit before that unit's normalise items in ticket
-// order; a statistics item waits only for its ring slot, freed once every
-// reader of an earlier unit has merged it (the completing CTA, or all the
-// unit's normalise items), and the host keeps slots > lag / pieces + 1, which
-// puts all those readers before the waiting item in ticket order (the merges
-// themselves never wait); and a CTA works on its tickets in the order it
-// claimed them. So the unfinished item with the smallest ticket can always
-// run. No cooperative launch is needed.
+// No deadlock (stream.cuh): a statistics item waits only for its ring slot,
+// freed by readers of an earlier unit that hold smaller tickets.
 // Extra memory: two counters per unit (`ready` counts the readers done with
 // its slot), and (mean, M2) per piece for `slots` units in a ring: unit u
 // writes slot u % slots once unit u - slots has been read by all (slots cover
@@ -59,26 +28,14 @@
 // (KernelBench L1-35: 7 slots of 256 pairs).
 #pragma once
 
-#include "common.cuh"
-#include "stream_order.cuh"
+#include "epilogue.cuh"
+#include "reduce.cuh"
+#include "stream.cuh"
 
 namespace groupnorm {
 
-constexpr int kStreamThreads = 256;
-// Vectors per thread per piece, held in registers (16-bit elements packed as
-// words until used), at three CTAs per SM without spills (double spills
-// 36-104 bytes, a dtype no suite shape uses): 2048-vector
-// pieces, 32 KiB with 16-byte vectors. The channels-last stream kernel holds
-// as many rows a thread (its 16-bit merge=once form spills 16 bytes). Measured on an H100
-// (benchmarks/README.md): for half and bfloat16, 8 vectors with L2 priorities
-// on every load were 9-12 points of the floor faster than the 4 unhinted
-// vectors at four CTAs per SM measured best on an H200 before the words.
-constexpr int kStreamItems = 8;
-constexpr int kStreamPieceVecs = kStreamThreads * kStreamItems;
-constexpr int kStreamBlocksPerSm = 3;
-
 // kEachMerges is a template argument: as a run-time flag, the unused merge
-// cost the other mode 1-4 points of the floor (registers; run AA).
+// costs the other mode registers.
 template <typename scalar_t, int V, bool kEachMerges>
 __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
     groupnorm_stream_kernel(const scalar_t* __restrict__ x,         // [units, L]
@@ -93,9 +50,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
                             bool fast_div, acc_t<scalar_t> eps) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
-  // 16-bit elements stay packed in words until used: unpacked, 8-element
-  // vectors take twice the registers.
-  using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
+  using Raw = RawVec<scalar_t, V>;
   constexpr int kItems = kStreamItems;
   constexpr int kPieceVecs = kStreamPieceVecs;
   __shared__ A scratch[3 * kStreamThreads / kWarp];
@@ -110,13 +65,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
 
   if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
   // Thread 0's claim of the next ticket, stored for the block only at the
-  // item's end: stored at once, it held warp 0, and so the whole block at
-  // its first barrier, for the atomic's round trip before the item's loads
-  // went out. Measured on an H200 (benchmarks/README.md, run AH): backward
-  // 0.3-4.0 points of the floor faster on every contiguous stream shape,
-  // forward 0-1.6; the channels-last kernels, which it made spill, were no
-  // faster (forward 2x512x16x64x64 bf16 2.2 points slower), so they store at
-  // once.
+  // item's end: stored at once, warp 0 (and so the block, at its first
+  // barrier) would wait for the atomic before the item's loads went out.
   long long next_ticket = 0;
   __syncthreads();
   for (int cur = 0;; cur ^= 1) {

@@ -13,9 +13,7 @@
 // per piece instead of one. L2 still holds a piece at its second read when a
 // unit is smaller than about a quarter of L2 (lag >= pieces per unit); larger
 // units read much of x twice, as every other kernel must once a unit no
-// longer fits on chip. Measured on an H100 (benchmarks/README.md, run U):
-// 38-62 % of the floor with units of 0.5-8 MiB, against 28-55 % with whole
-// samples as units (16-64 MiB) and 34-51 % for the team kernel.
+// longer fits on chip.
 //
 // Merging, in one of two ways (kEachMerges, host's choice):
 //  - each: when a unit's partials are few next to a piece's bytes, every
@@ -43,57 +41,13 @@
 // bound by instructions, not memory.
 //
 // Every 16-byte load carries an L2 priority (load_with_l2_priority).
-// Measured on an H100 (benchmarks/README.md, run AC): with 8 packed rows and
-// hints, half and bfloat16 went from 42-49 to 51-64 % of the floor
-// (4x512x128x128 bf16: 45 -> 59 %); 4 unpacked rows (the earlier form, sized
-// so their float conversions fit the registers) were slower with hints than
-// without, and 8 packed rows without hints 1-4 points slower than with.
 #pragma once
 
-#include "common.cuh"
-#include "forward_stream.cu"
+#include "epilogue.cuh"
+#include "reduce.cuh"
+#include "stream.cuh"
 
 namespace groupnorm {
-
-// Partials a chunk merge reads: few enough that one CTA merges them in a
-// couple of load round trips (eight threads a group for 32 groups).
-constexpr int kChunkPartials = 1024;
-// CTAs per SM the registers are sized for: 80 registers a thread. At four
-// (64 registers) 8-element vectors spill, and 4×512×128² bf16 ran 14 % slower
-// on an H200 (benchmarks/README.md).
-constexpr int kStreamRowsBlocksPerSm = 3;
-
-struct StreamRowsWorkspace {
-  unsigned long long* next;  // [1]              next ticket to hand out
-  int* piece_arrived;        // [units, chunks]  statistics items finished, per chunk
-  int* chunk_arrived;        // [units]          chunks merged
-  int* ready;                // [units]          once: 1 when the unit's mean and rstd are
-                             //                  written; each: readers done with its slot
-};
-
-// Bytes of a StreamRowsWorkspace's counters for `units` units of `chunks`
-// chunks, rounded up to 16 so that the partials after them stay aligned. They
-// must be zeroed before the launch.
-inline int64_t stream_rows_counter_bytes(int64_t units, int64_t chunks) {
-  return round_up_to_16(int64_t(sizeof(unsigned long long)) +
-                        (units * chunks + 2 * units) * int64_t(sizeof(int)));
-}
-
-// The counters of stream_rows_counter_bytes(units, chunks) laid out from `base`.
-inline StreamRowsWorkspace stream_rows_workspace(uint8_t* base, int64_t units, int64_t chunks) {
-  StreamRowsWorkspace ws;
-  ws.next = reinterpret_cast<unsigned long long*>(base);
-  ws.piece_arrived = reinterpret_cast<int*>(base + sizeof(unsigned long long));
-  ws.chunk_arrived = ws.piece_arrived + units * chunks;
-  ws.ready = ws.chunk_arrived + units;
-  return ws;
-}
-
-// Shared memory beyond the static arrays: the per-thread table
-// [rows_per_step, cols] and the per-group sums and M2 of the current piece.
-inline size_t stream_rows_shared_bytes(int rows_per_step, int cols, int G, size_t acc_size) {
-  return (size_t(rows_per_step) * cols + 2 * size_t(G)) * acc_size;
-}
 
 // Merges a finished chunk's piece partials into the chunk's partial and, if
 // it is the unit's last chunk, the chunks into the unit's mean and rstd,
@@ -103,7 +57,7 @@ __device__ __forceinline__ void merge_chunk(const A* piece_partial,  // [slots, 
                                             A* chunk_partial,        // [slots, chunks, G, 2]
                                             A* mean,                 // [units, G]
                                             A* rstd,                 // [units, G]
-                                            const StreamRowsWorkspace& ws, A* scratch,
+                                            const StreamWorkspace& ws, A* scratch,
                                             bool& completes_unit, int64_t unit, int64_t chunk,
                                             int64_t HxW, int G, int D, int64_t rows_per_piece,
                                             int64_t pieces, int64_t chunk_pieces, int64_t slots,
@@ -151,14 +105,14 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         acc_t<scalar_t>* __restrict__ rstd,           // [N * blocks, G]
         acc_t<scalar_t>* __restrict__ piece_partial,  // [slots, pieces, G, 2]
         acc_t<scalar_t>* __restrict__ chunk_partial,  // [slots, chunks, G, 2]
-        StreamRowsWorkspace ws, int64_t HxW, int C, int blocks, int G, int D, int rows_per_step,
+        StreamWorkspace ws, int64_t HxW, int C, int blocks, int G, int D, int rows_per_step,
         int64_t pieces, int64_t chunk_pieces, int64_t slots, StreamOrder order,
         acc_t<scalar_t> eps) {
   // C: channels of a row; a unit (sample, block) holds C / blocks of them, in
   // G groups of D.
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
-  using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
+  using Raw = RawVec<scalar_t, V>;
   constexpr int kItems = kStreamItems;
   extern __shared__ __align__(16) unsigned char smem[];
   const int unit_C = C / blocks;
@@ -184,10 +138,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
   const int readers = kEachMerges ? int(pieces) : 1;  // of a unit's ring slot
 
   // The ticket loop of groupnorm_stream_kernel: the next ticket is fetched
-  // while this item runs. Written out in each stream kernel on purpose (also
-  // groupnorm_backward_stream_kernel): as a shared helper (a lambda body, or
-  // a claim() at the loop's head) it cost these register-capped kernels 8-64
-  // more bytes of spills per thread (ptxas).
+  // while this item runs. Written out in each stream kernel on purpose: as a
+  // shared helper it made these register-capped kernels spill.
   if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
   __syncthreads();
   for (int cur = 0;; cur ^= 1) {
@@ -271,7 +223,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
       const int in_chunk = int(min(chunk_pieces, pieces - chunk * chunk_pieces));
       __syncthreads();
       if (tid == 0) {
-        completes_chunk = add_acq_rel(&ws.piece_arrived[unit * chunks + chunk], 1) == in_chunk - 1;
+        completes_chunk = add_acq_rel(&ws.arrived[unit * chunks + chunk], 1) == in_chunk - 1;
       }
       __syncthreads();
       if (!kEachMerges && completes_chunk) {
@@ -282,7 +234,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
       // The loads above are in flight while thread 0 waits for the unit.
       if (tid == 0) {
         if constexpr (kEachMerges) {  // one chunk: its count is the unit's
-          while (load_acquire(&ws.piece_arrived[unit * chunks]) < int(pieces)) __nanosleep(64);
+          while (load_acquire(&ws.arrived[unit * chunks]) < int(pieces)) __nanosleep(64);
         } else {
           while (load_acquire(&ws.ready[unit]) == 0) __nanosleep(64);
         }
@@ -317,11 +269,9 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
           const int r = row_lane + u * rows_per_step;
           if (r < rows) {
             VecT out;
+            const VecT in = as_vec<VecT>(v[u]);
 #pragma unroll
-            for (int e = 0; e < V; ++e) {
-              out.val[e] = static_cast<scalar_t>(
-                  (static_cast<A>(as_vec<VecT>(v[u]).val[e]) - mu) * f[e].scale + f[e].shift);
-            }
+            for (int e = 0; e < V; ++e) out.val[e] = normalise(in.val[e], mu, f[e]);
             store_vec_streaming<scalar_t, V>(ys + int64_t(r) * C, out);
           }
         }

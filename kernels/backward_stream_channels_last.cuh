@@ -19,56 +19,18 @@
 // Each dx item adding the group pairs (tiles x groups of the unit, a few per
 // thread, read from L2 while its own loads are in flight) keeps the path from
 // a unit's last sums item to its dx items short: one arrival and one read.
-// Measured on an H100 (benchmarks/README.md, run X), backward alone, against
-// a version in which the CTA completing a unit wrote coefficients for the dx
-// items to read (after merging the channel pairs): 17-34 points of the floor
-// faster at the default lag.
 // The CTA whose tile completes a unit adds the unit's channel pairs in tile
 // order into the affine partials; no dx item waits for that. V divides C / G,
 // so a thread's channels lie in one group: one mean per thread. Every
 // addition goes in a fixed order: results do not depend on timing. dgamma
 // and dbeta are added over the samples by the affine kernel, as in the other
 // paths. Extra memory: the pairs of every tile and group (and channel, for
-// dgamma and dbeta) and the counters of a StreamWorkspace (`ready` unused).
+// dgamma and dbeta) and the arrival counters.
 #pragma once
 
-#include "backward_stream.cu"
+#include "backward_stream.cuh"
 
 namespace groupnorm {
-
-// Adds `count` sets of `width` pairs, pair j of set k at base + (k * stride +
-// j) * 2, with the whole block, and calls store(j, first sum, second sum) for
-// every j in one thread each. Threads take (j, lane) pairs, j fastest, and
-// add their sets in order, then the lanes of each j are added in order: the
-// result does not depend on timing. Read through L2: the same launch writes
-// the pairs. kInFlight: pairs a thread has in flight (add_pairs).
-template <int kInFlight, typename A, typename F>
-__device__ __forceinline__ void add_pair_sets(const A* base, int64_t count, int64_t stride,
-                                              int width, A* red_a, A* red_b, F store) {
-  const int tid = threadIdx.x;
-  const int span = min(width, kBackwardThreads);  // j at a time
-  const int lanes = kBackwardThreads / span;
-  const int j_in = tid % span;
-  const int lane = tid / span;
-  for (int j0 = 0; j0 < width; j0 += span) {
-    A a = 0, b = 0;
-    if (lane < lanes && j0 + j_in < width) {
-      add_pairs<kInFlight>(base + int64_t(j0 + j_in) * 2, lane, count, lanes, stride, a, b);
-    }
-    __syncthreads();  // the tables may still be read from the last round
-    red_a[tid] = a;
-    red_b[tid] = b;
-    __syncthreads();
-    if (tid < span && j0 + tid < width) {
-      A ta = 0, tb = 0;
-      for (int l = 0; l < lanes; ++l) {
-        ta += red_a[l * span + tid];
-        tb += red_b[l * span + tid];
-      }
-      store(j0 + tid, ta, tb);
-    }
-  }
-}
 
 template <typename scalar_t, int V>
 __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
@@ -87,7 +49,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
   // unit, cblocks = units per sample, block_cols = vector columns of a unit.
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
-  using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
+  using Raw = RawVec<scalar_t, V>;
   constexpr int kItems = kStreamBackwardItems;  // rows of a thread's column
   // red_*: [rows, unit_C] per-thread (or per-warp) sums of a tile, or the
   // lanes of add_pair_sets. sum_*: in a sums item the tile's weighted sums
@@ -116,7 +78,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
   const auto weight = [&](int c) { return gamma != nullptr ? static_cast<A>(gamma[c]) : A(1); };
 
   // The ticket loop of groupnorm_stream_kernel, written out here as there
-  // (forward_stream_channels_last.cu says why).
+  // (forward_stream_channels_last.cuh says why).
   if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
   __syncthreads();
   for (int cur = 0;; cur ^= 1) {
@@ -220,7 +182,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
       __syncthreads();
       if (completes_unit && channel_pairs != nullptr) {
         add_pair_sets<kStreamPairsInFlight<A>>(channel_pairs + (n * tiles * C + c_first) * 2, tiles,
-                                               C, unit_C, red_dy, red_dyx, [&](int j, A a, A q) {
+                                               1, C, unit_C, red_dy, red_dyx, [&](int j, A a, A q) {
                                                  const int c = c_first + j;
                                                  store_pair(affine_pairs + (n * C + c) * 2, a,
                                                             q * rstd[n * G + c / D]);
@@ -233,15 +195,13 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
         while (load_acquire(&ws.arrived[unit]) < int(tiles)) __nanosleep(64);
       }
       __syncthreads();
-      add_pair_sets<kStreamPairsInFlight<A>>(group_pairs + (n * tiles * G + g_first) * 2, tiles, G,
-                                             unit_G, red_dy, red_dyx, [&](int j, A a, A q) {
+      add_pair_sets<kStreamPairsInFlight<A>>(group_pairs + (n * tiles * G + g_first) * 2, tiles, 1,
+                                             G, unit_G, red_dy, red_dyx, [&](int j, A a, A q) {
                                                sum_dy[j] = a;
                                                sum_dyx[j] = q;
                                              });
       __syncthreads();
       if (sweeps) {
-        // dx = alpha * dy - k1 - (x - mu) * k2 with alpha = rstd * gamma[c],
-        // k1 = rstd * sum(g) / M, k2 = rstd^3 * sum(g * (x - mu)) / M.
         const int c = c_first + col * V;
         const int gb = c / D - g_first;
         const A mu = mean[n * G + g_first + gb];
@@ -252,19 +212,15 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
         A alpha[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) alpha[e] = rs * weight(c + e);
+        const auto coef = [&](int e) { return Coef<A>{alpha[e], mu, k1, k2}; };
         scalar_t* out = dx + offset;
 #pragma unroll
         for (int u = 0; u < kItems; ++u) {
           const int r = row_lane + u * rows_per_step;
           if (r < rows) {
-            const VecT gv = as_vec<VecT>(g[u]), xv = as_vec<VecT>(v[u]);
-            VecT o;
-#pragma unroll
-            for (int e = 0; e < V; ++e) {
-              o.val[e] = static_cast<scalar_t>(alpha[e] * static_cast<A>(gv.val[e]) - k1 -
-                                               (static_cast<A>(xv.val[e]) - mu) * k2);
-            }
-            store_vec_streaming<scalar_t, V>(out + int64_t(r) * C, o);
+            store_vec_streaming<scalar_t, V>(
+                out + int64_t(r) * C,
+                dx_vec<scalar_t, V>(as_vec<VecT>(g[u]), as_vec<VecT>(v[u]), coef));
           }
         }
       }

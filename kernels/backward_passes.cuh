@@ -35,23 +35,18 @@
 //                 each thread keeps V channels for its whole run.
 #pragma once
 
-#include "common.cuh"
+#include "epilogue.cuh"
+#include "plan.h"
+#include "reduce.cuh"
 
 namespace groupnorm {
 
-constexpr int kBackwardThreads = 256;
-constexpr int kBackwardWarps = kBackwardThreads / kWarp;
-constexpr int kWarpRowVecs = 256;  // contiguous rows up to this many vectors: one warp each
 constexpr int kBackwardUnroll = 4;
 // Register budgets, as resident CTAs per SM, for the kernels that read 16-bit
 // elements 8 to a vector, so that kBackwardUnroll loads of x and of dy per
-// thread are in flight from enough CTAs to keep DRAM busy: the bfloat16 sums
-// kernel took 99 registers, 2 CTAs per SM, and reached 64 % of DRAM bandwidth
-// on an H100. Contiguous sums and dx: 64 registers. Channels-last sums, which
-// keep V sums and means per thread: 80 (they spill at 64). 0 = no budget
-// (the compiler's choice) for every other kernel: a budget made narrower-
-// vector kernels take more registers than they need (float, 4-byte vectors:
-// 32 -> 52), and the channels-last dx kernel spills at 80.
+// thread are in flight from enough CTAs to keep DRAM busy: contiguous sums
+// and dx 64 registers, channels-last sums (V sums and means a thread) 80.
+// 0 = the compiler's choice for every other kernel.
 template <typename scalar_t, int V>
 constexpr int backward_contiguous_blocks_per_sm() {
   return sizeof(scalar_t) == 2 && V == 8 ? 4 : 0;
@@ -61,64 +56,9 @@ constexpr int backward_channels_last_sums_blocks_per_sm() {
   return sizeof(scalar_t) == 2 && V == 8 ? 3 : 0;
 }
 
-// Per (sample, channel): dx = alpha * dy - k1 - (x - mu) * k2, with
-// alpha = rstd * gamma[c], k1 = rstd * sum(g) / M, k2 = rstd^3 * sum(g * (x - mu)) / M.
-// Subtracting mu first keeps inputs far from zero (1000 + randn) accurate.
-template <typename A>
-struct alignas(4 * sizeof(A)) Coef {  // one 16-byte load for float
-  A alpha, mu, k1, k2;
-};
-
-// Where tile b of a launch lies. Shared by the sums and dx kernels so that
-// both walk the same pieces.
-struct BackwardTiles {
-  int64_t rows;       // contiguous: N * C rows; channels-last: N samples
-  int64_t row_items;  // vectors per row (contiguous) or positions per sample
-  int64_t chunk;      // items per chunk
-  int64_t chunks;     // chunks per row
-  int warp_rows;      // contiguous: 1 = one warp per row; 0 = one CTA per chunk
-  int block_cols;     // channels-last: vector columns per CTA
-  int cblocks;        // channels-last: column blocks per row
-  int64_t tiles;      // pieces of work (CTAs, if the grid is that large)
-};
-
-template <typename A>
-__device__ __forceinline__ void store_pair(A* partial, A s_dy, A s_dyx) {
-  partial[0] = s_dy;
-  partial[1] = s_dyx;
-}
-
 // ---------------------------------------------------------------------------
 // Contiguous (N, C, HxW).
 // ---------------------------------------------------------------------------
-
-// Calls f(i, dy_vec, x_vec) for items i = first, first + step, ... below end
-// of dy and x (item i at element offset i * stride), kBackwardUnroll loads of
-// each in flight per thread.
-template <typename scalar_t, int V, typename F>
-__device__ __forceinline__ void for_each_pair(const scalar_t* dy, const scalar_t* x, int64_t first,
-                                              int64_t end, int step, int64_t stride, F f) {
-  using VecT = Vec<scalar_t, V>;
-  // 16-bit elements are kept in flight as words (Words): unpacked, each would
-  // take a whole register (99 instead of 73 for the bfloat16 sums kernel).
-  using Raw = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(VecT)>, VecT>;
-  for (int64_t i0 = first; i0 < end; i0 += int64_t(kBackwardUnroll) * step) {
-    Raw g[kBackwardUnroll], v[kBackwardUnroll];
-#pragma unroll
-    for (int u = 0; u < kBackwardUnroll; ++u) {
-      const int64_t i = i0 + int64_t(u) * step;
-      if (i < end) {
-        g[u] = *reinterpret_cast<const Raw*>(dy + i * stride);
-        v[u] = *reinterpret_cast<const Raw*>(x + i * stride);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kBackwardUnroll; ++u) {
-      const int64_t i = i0 + int64_t(u) * step;
-      if (i < end) f(i, as_vec<VecT>(g[u]), as_vec<VecT>(v[u]));
-    }
-  }
-}
 
 // Sums of dy and dy * (x - mu) over vectors [begin, end) of one row; `lane`
 // of `width` threads takes every width-th vector.
@@ -128,31 +68,17 @@ __device__ __forceinline__ void row_sums(const scalar_t* dy, const scalar_t* x, 
                                          acc_t<scalar_t>& s_dy, acc_t<scalar_t>& s_dyx) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
-  for_each_pair<scalar_t, V>(dy, x, begin + lane, end, width, V,
-                             [&](int64_t, const VecT& g, const VecT& v) {
+  load_each<kBackwardUnroll, scalar_t, V>(
+      begin + lane, end, width, V,
+      [&](int64_t, const VecT& g, const VecT& v) {
 #pragma unroll
-                               for (int e = 0; e < V; ++e) {
-                                 const A d = static_cast<A>(g.val[e]);
-                                 s_dy += d;
-                                 s_dyx += d * (static_cast<A>(v.val[e]) - mu);
-                               }
-                             });
-}
-
-// dx of one coefficient set from V lanes of dy and x.
-template <typename scalar_t, int V>
-__device__ __forceinline__ Vec<scalar_t, V> dx_of(const Vec<scalar_t, V>& g,
-                                                  const Vec<scalar_t, V>& v,
-                                                  const Coef<acc_t<scalar_t>>* k, int k_step) {
-  using A = acc_t<scalar_t>;
-  Vec<scalar_t, V> out;
-#pragma unroll
-  for (int e = 0; e < V; ++e) {
-    const Coef<A>& c = k[e * k_step];
-    out.val[e] = static_cast<scalar_t>(c.alpha * static_cast<A>(g.val[e]) - c.k1 -
-                                       (static_cast<A>(v.val[e]) - c.mu) * c.k2);
-  }
-  return out;
+        for (int e = 0; e < V; ++e) {
+          const A d = static_cast<A>(g.val[e]);
+          s_dy += d;
+          s_dyx += d * (static_cast<A>(v.val[e]) - mu);
+        }
+      },
+      dy, x);
 }
 
 template <typename scalar_t, int V>
@@ -162,7 +88,7 @@ __global__ void __launch_bounds__(kBackwardThreads,
         const scalar_t* __restrict__ dy,           // [N * C, HxW]
         const scalar_t* __restrict__ x,            // [N * C, HxW]
         const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
-        acc_t<scalar_t>* __restrict__ partial,     // [N*C, chunks, 2]
+        acc_t<scalar_t>* __restrict__ partial,     // [N * C, chunks, 2]
         BackwardTiles t, int C, int D) {
   using A = acc_t<scalar_t>;
   __shared__ A scratch[2 * kBackwardWarps];
@@ -219,11 +145,13 @@ __global__ void __launch_bounds__(kBackwardThreads,
     }
     const int64_t offset = row * t.row_items * V;
     const Coef<acc_t<scalar_t>> k = coef[row];
-    for_each_pair<scalar_t, V>(dy + offset, x + offset, begin + lane, end, width, V,
-                               [&](int64_t j, const VecT& g, const VecT& v) {
-                                 store_vec_streaming<scalar_t, V>(dx + offset + j * V,
-                                                                  dx_of<scalar_t, V>(g, v, &k, 0));
-                               });
+    load_each<kBackwardUnroll, scalar_t, V>(
+        begin + lane, end, width, V,
+        [&](int64_t j, const VecT& g, const VecT& v) {
+          store_vec_streaming<scalar_t, V>(dx + offset + j * V,
+                                           dx_vec<scalar_t, V>(g, v, [&](int) { return k; }));
+        },
+        dy + offset, x + offset);
   }
 }
 
@@ -280,15 +208,17 @@ __global__ void __launch_bounds__(kBackwardThreads,
     }
     if (tile.active) {
       const int64_t base = tile.n * t.row_items * C + int64_t(tile.col) * V;
-      for_each_pair<scalar_t, V>(dy + base, x + base, tile.first_row + tile.trow, tile.end_row,
-                                 tile.trows, C, [&](int64_t, const VecT& g, const VecT& v) {
+      load_each<kBackwardUnroll, scalar_t, V>(
+          tile.first_row + tile.trow, tile.end_row, tile.trows, C,
+          [&](int64_t, const VecT& g, const VecT& v) {
 #pragma unroll
-                                   for (int e = 0; e < V; ++e) {
-                                     const A d = static_cast<A>(g.val[e]);
-                                     s_dy[e] += d;
-                                     s_dyx[e] += d * (static_cast<A>(v.val[e]) - mu[e]);
-                                   }
-                                 });
+            for (int e = 0; e < V; ++e) {
+              const A d = static_cast<A>(g.val[e]);
+              s_dy[e] += d;
+              s_dyx[e] += d * (static_cast<A>(v.val[e]) - mu[e]);
+            }
+          },
+          dy + base, x + base);
     }
     __syncthreads();  // the tables may still be read for the previous tile
     if (tile.trow < tile.trows) {
@@ -331,11 +261,13 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_dx_channe
 #pragma unroll
     for (int e = 0; e < V; ++e) k[e] = coef[tile.n * C + int64_t(tile.col) * V + e];
     const int64_t base = tile.n * t.row_items * C + int64_t(tile.col) * V;
-    for_each_pair<scalar_t, V>(dy + base, x + base, tile.first_row + tile.trow, tile.end_row,
-                               tile.trows, C, [&](int64_t r, const VecT& g, const VecT& v) {
-                                 store_vec_streaming<scalar_t, V>(dx + base + r * C,
-                                                                  dx_of<scalar_t, V>(g, v, k, 1));
-                               });
+    load_each<kBackwardUnroll, scalar_t, V>(
+        tile.first_row + tile.trow, tile.end_row, tile.trows, C,
+        [&](int64_t r, const VecT& g, const VecT& v) {
+          store_vec_streaming<scalar_t, V>(dx + base + r * C,
+                                           dx_vec<scalar_t, V>(g, v, [&](int e) { return k[e]; }));
+        },
+        dy + base, x + base);
   }
 }
 
@@ -349,57 +281,10 @@ struct PartialLayout {
   int64_t chunks, stride_n, stride_c, stride_k;
 };
 
-// One pair of partial sums, read through L2 in one load: the stream kernels
-// read pairs that the same launch writes, the coefficients kernel those of
-// the sums kernel before it.
-template <typename A>
-__device__ __forceinline__ void load_pair_l2(const A* p, A& first, A& second) {
-  if constexpr (sizeof(A) == 4) {
-    const float2 q = __ldcg(reinterpret_cast<const float2*>(p));
-    first = q.x;
-    second = q.y;
-  } else {
-    const double2 q = __ldcg(reinterpret_cast<const double2*>(p));
-    first = q.x;
-    second = q.y;
-  }
-}
-
-// Adds pairs first, first + step, ... below end (pair k at p + k * stride *
-// 2) into s1 and s2 in that order, kInFlight loads in flight: a plain loop
-// waited for each load before issuing the next, even unrolled (the
-// coefficients kernel took half a microsecond a pair a thread on an H100:
-// 31 us for the 64 pairs a thread of 2x512x16x64x64 channels-last).
-template <int kInFlight, typename A>
-__device__ __forceinline__ void add_pairs(const A* p, int64_t first, int64_t end, int64_t step,
-                                          int64_t stride, A& s1, A& s2) {
-  for (int64_t k0 = first; k0 < end; k0 += kInFlight * step) {
-    A a[kInFlight], q[kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      if (k0 + u * step < end) load_pair_l2(p + (k0 + u * step) * stride * 2, a[u], q[u]);
-    }
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
-      if (k0 + u * step < end) {
-        s1 += a[u];
-        s2 += q[u];
-      }
-    }
-  }
-}
-
-// The coefficients of one (sample, group) `unit`, with the whole block.
-// Threads take (channel, chunk-lane) pairs, channel fastest (coalesced for
-// channels-last partials), add their chunks in order, then the chunk-lanes of
-// each channel are added in order: the result does not depend on timing.
-// Partials are read through L2 (__ldcg): the stream kernel writes them in the
-// same launch. kPairsInFlight: pairs a thread has in flight (add_pairs) when
-// it has at least 4; the coefficients kernel takes 16, so that a unit of
-// 1024 chunks (1x128x512x512 channels-last: 16 a thread) is one round trip.
-// Fewer pairs a thread (contiguous units, a few chunks a channel) take 2:
-// with 16 the kernel was 0.3-0.6 us slower there on an H100
-// (benchmarks/README.md, run AE). Writes the per-(sample, channel) affine
+// The coefficients of one (sample, group) `unit`, with the whole block: its
+// channels' pairs added over the chunks (add_pair_sets, fixed order), then
+// over the group. kPairsInFlight: pairs a thread has in flight when it has at
+// least 4 a channel; fewer take 2. Writes the per-(sample, channel) affine
 // pairs (sum(dy), sum(dy * xhat)), unless affine_pairs is null, and the dx
 // coefficients of every channel of the group, unless coef is null.
 template <typename scalar_t, int kPairsInFlight>
@@ -410,48 +295,29 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
                                   acc_t<scalar_t>* affine_pairs,             // [N, C, 2] or nullptr
                                   Coef<acc_t<scalar_t>>* coef,               // [N, C] or nullptr
                                   int64_t unit, int C, int G, int64_t HxW, PartialLayout at,
-                                  acc_t<scalar_t>* red_dy,     // [kBackwardThreads] shared
-                                  acc_t<scalar_t>* red_dyx,    // [kBackwardThreads] shared
-                                  acc_t<scalar_t>* scratch) {  // [2 * kBackwardWarps] shared
+                                  acc_t<scalar_t>* red_dy,     // [blockDim.x] shared
+                                  acc_t<scalar_t>* red_dyx,    // [blockDim.x] shared
+                                  acc_t<scalar_t>* scratch) {  // [2 * warps] shared
   using A = acc_t<scalar_t>;
   const int D = C / G;
   const auto weight = [&](int c) { return gamma != nullptr ? static_cast<A>(gamma[c]) : A(1); };
-  const int width = min(D, kBackwardThreads);  // channels per pass
-  const int lanes = kBackwardThreads / width;  // chunk-lanes per channel
-  const int d_in = threadIdx.x % width;
-  const int lane = threadIdx.x / width;
   const int64_t n = unit / G;
   const int c0 = int(unit % G) * D;
   const A mu = mean[unit];
   const A rs = rstd[unit];
-  const A* base = partial + n * at.stride_n * 2;
-  // sum(g) and sum(g * (x - mu)) over the group: per-thread parts
-  A s1 = 0, s2 = 0;
-  for (int d0 = 0; d0 < D; d0 += width) {
-    A s_dy = 0, s_dyx = 0;
-    if (lane < lanes && d0 + d_in < D) {
-      const A* p = base + int64_t(c0 + d0 + d_in) * at.stride_c * 2;
-      if (kPairsInFlight > 2 && at.chunks >= 4 * lanes) {
-        add_pairs<kPairsInFlight>(p, lane, at.chunks, lanes, at.stride_k, s_dy, s_dyx);
-      } else {
-        add_pairs<2>(p, lane, at.chunks, lanes, at.stride_k, s_dy, s_dyx);
-      }
-    }
-    __syncthreads();  // the tables may still be read from the last pass
-    red_dy[threadIdx.x] = s_dy;
-    red_dyx[threadIdx.x] = s_dyx;
-    __syncthreads();
-    if (threadIdx.x < width && d0 + int(threadIdx.x) < D) {
-      const int c = c0 + d0 + threadIdx.x;
-      A t_dy = 0, t_dyx = 0;
-      for (int l = 0; l < lanes; ++l) {
-        t_dy += red_dy[l * width + threadIdx.x];
-        t_dyx += red_dyx[l * width + threadIdx.x];
-      }
-      if (affine_pairs != nullptr) store_pair(affine_pairs + (n * C + c) * 2, t_dy, t_dyx * rs);
-      s1 += weight(c) * t_dy;
-      s2 += weight(c) * t_dyx;
-    }
+  const A* channels = partial + (n * at.stride_n + int64_t(c0) * at.stride_c) * 2;
+  A s1 = 0, s2 = 0;  // sum(g) and sum(g * (x - mu)) over the group: per-thread parts
+  const auto store = [&](int d, A t_dy, A t_dyx) {
+    const int c = c0 + d;
+    if (affine_pairs != nullptr) store_pair(affine_pairs + (n * C + c) * 2, t_dy, t_dyx * rs);
+    s1 += weight(c) * t_dy;
+    s2 += weight(c) * t_dyx;
+  };
+  if (kPairsInFlight > 2 && at.chunks >= 4 * pair_set_lanes(D)) {
+    add_pair_sets<kPairsInFlight>(channels, at.chunks, at.stride_c, at.stride_k, D, red_dy,
+                                  red_dyx, store);
+  } else {
+    add_pair_sets<2>(channels, at.chunks, at.stride_c, at.stride_k, D, red_dy, red_dyx, store);
   }
   if (coef == nullptr) return;  // the same in every thread
   block_sum2(s1, s2, scratch);
@@ -482,10 +348,7 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficie
 }
 
 // dbeta[c], dgamma[c] = sums over samples of affine_pairs[n, c], in sample
-// order, 16 samples' loads in flight (add_pairs). Loaded one at a time,
-// KernelBench L2-92's 128 samples took 16 us on an H100 (run AE); with 16 in
-// flight its backward went from 66.6 to 67.7 % of the floor on an H200
-// (run AH).
+// order, 16 samples' loads in flight (add_pairs).
 template <typename scalar_t>
 __global__ void groupnorm_backward_affine_kernel(
     const acc_t<scalar_t>* affine_pairs,  // [N, C, 2]: sum(dy), sum(dy * xhat)

@@ -1,0 +1,79 @@
+// The one way kernels are launched: cudaLaunchKernelEx on the current
+// stream, plain, cooperative (teams that wait on each other must all be
+// resident: the launch guarantees it or fails, never hangs) or as clusters;
+// and the dispatch from a planned vector width to a kernel's template.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "launchers.h"
+
+namespace groupnorm {
+
+struct LaunchShape {
+  int64_t grid;
+  int threads;
+  size_t smem = 0;
+  bool cooperative = false;
+  int cluster = 1;  // CTAs per cluster
+};
+
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), const LaunchShape& shape, cudaStream_t stream,
+                   Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(unsigned(shape.grid));
+  config.blockDim = dim3(unsigned(shape.threads));
+  config.dynamicSmemBytes = shape.smem;
+  config.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  unsigned count = 0;
+  if (shape.cooperative) {
+    attrs[count].id = cudaLaunchAttributeCooperative;
+    attrs[count++].val.cooperative = 1;
+  }
+  if (shape.cluster > 1) {
+    attrs[count].id = cudaLaunchAttributeClusterDimension;
+    attrs[count].val.clusterDim.x = unsigned(shape.cluster);
+    attrs[count].val.clusterDim.y = 1;
+    attrs[count++].val.clusterDim.z = 1;
+  }
+  config.attrs = attrs;
+  config.numAttrs = count;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// Calls f(std::integral_constant<int, v>) for the vector widths a kernel is
+// built for: up to kMaxBytes per access.
+template <typename scalar_t, int kMaxBytes, typename F>
+void with_vec(int v, F&& f) {
+  constexpr int kMax = int(kMaxBytes / sizeof(scalar_t));
+  switch (v) {
+    case 8:
+      if constexpr (kMax >= 8) return f(std::integral_constant<int, 8>{});
+      break;
+    case 4:
+      if constexpr (kMax >= 4) return f(std::integral_constant<int, 4>{});
+      break;
+    case 2:
+      if constexpr (kMax >= 2) return f(std::integral_constant<int, 2>{});
+      break;
+    case 1:
+      return f(std::integral_constant<int, 1>{});
+  }
+  TORCH_CHECK(false, "groupnorm: no kernel for vector width " + std::to_string(v));
+}
+
+// The dtypes each family's translation unit is built for: all four, unless
+// the build compiles one translation unit per dtype (the loader does, to
+// compile them in parallel) and defines GROUPNORM_DTYPES to one of them.
+#ifndef GROUPNORM_DTYPES
+#define GROUPNORM_DTYPES(X) X(float) X(double) X(c10::Half) X(c10::BFloat16)
+#endif
+
+}  // namespace groupnorm

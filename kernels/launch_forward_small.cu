@@ -1,0 +1,65 @@
+// Launchers of the small-problem forward kernels: the reference kernel (the
+// oracle) and the registers kernel.
+#include "forward_reference.cuh"
+#include "forward_registers.cuh"
+#include "launch.cuh"
+
+namespace groupnorm {
+
+template <typename scalar_t>
+const void* registers_kernel(int vec, int items) {
+  const void* kernel = nullptr;
+  with_vec<scalar_t, 16>(vec, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    kernel = items == kRegistersFewItems
+                 ? reinterpret_cast<const void*>(
+                       &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersFewItems>)
+                 : reinterpret_cast<const void*>(
+                       &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersManyItems>);
+  });
+  return kernel;
+}
+
+template <typename scalar_t>
+void launch_reference(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
+                      cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const int64_t stride_c = p.channels_last ? 1 : p.HxW;
+  const int64_t stride_s = p.channels_last ? p.C : 1;
+  launch_kernel(&groupnorm_forward_reference_kernel<scalar_t>, {plan.grid, plan.threads}, stream,
+                static_cast<const scalar_t*>(a.x), static_cast<const scalar_t*>(a.gamma),
+                static_cast<const scalar_t*>(a.beta), static_cast<scalar_t*>(a.y),
+                static_cast<A*>(a.mean), static_cast<A*>(a.rstd), p.N, p.HxW, p.G, int(p.D()),
+                p.C * p.HxW, stride_c, stride_s, A(a.eps));
+}
+
+template <typename scalar_t>
+void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
+                      cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const RegistersConfig& r = plan.registers;
+  with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    const auto kernel = r.items == kRegistersFewItems
+                            ? &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersFewItems>
+                            : &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersManyItems>;
+    LaunchShape shape{plan.grid, plan.threads};
+    shape.cluster = r.ranks;
+    launch_kernel(kernel, shape, stream, static_cast<const scalar_t*>(a.x),
+                  static_cast<const scalar_t*>(a.gamma), static_cast<const scalar_t*>(a.beta),
+                  static_cast<scalar_t*>(a.y), static_cast<A*>(a.mean), static_cast<A*>(a.rstd),
+                  plan.units, int(p.HxW), p.C, p.G, int(p.D()), p.channels_last, r.ranks,
+                  A(a.eps));
+  });
+}
+
+#define GROUPNORM_INSTANTIATE_SMALL(T)                                                   \
+  template const void* registers_kernel<T>(int, int);                                    \
+  template void launch_reference<T>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
+                                    cudaStream_t);                                       \
+  template void launch_registers<T>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
+                                    cudaStream_t);
+GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_SMALL)
+#undef GROUPNORM_INSTANTIATE_SMALL
+
+}  // namespace groupnorm

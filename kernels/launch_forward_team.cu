@@ -1,0 +1,87 @@
+// Launchers of the team kernels (forward_contiguous.cuh,
+// forward_channels_last.cuh): one cooperative launch when a unit is shared by
+// several CTAs, with the team workspace (arrival counters, zeroed, then the
+// partials and results of every team) carved from one allocation.
+#include "forward_channels_last.cuh"
+#include "forward_contiguous.cuh"
+#include "launch.cuh"
+
+namespace groupnorm {
+
+template <typename scalar_t>
+const void* team_kernel(bool channels_last, int vec) {
+  const void* kernel = nullptr;
+  with_vec<scalar_t, 16>(vec, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    kernel = channels_last
+                 ? reinterpret_cast<const void*>(&groupnorm_forward_channels_last_kernel<scalar_t, V>)
+                 : reinterpret_cast<const void*>(&groupnorm_forward_contiguous_kernel<scalar_t, V>);
+  });
+  return kernel;
+}
+
+// The workspace of a team of T > 1 CTAs sharing `groups` groups a unit; none
+// for T == 1.
+template <typename A>
+TeamWorkspace<A> team_workspace(const ForwardPlan& plan, int groups, WorkspaceAllocator& alloc) {
+  TeamWorkspace<A> ws{nullptr, nullptr, nullptr, nullptr};
+  const int64_t T = plan.team.team;
+  if (T == 1) return ws;
+  const int64_t teams = plan.grid / T;
+  WorkspaceLayout layout;
+  const int64_t counters = layout.add<int>(2 * teams);
+  const int64_t zeroed = layout.bytes;
+  const int64_t partial = layout.add<A>(teams * 2 * T * groups * 2);
+  const int64_t result = layout.add<A>(teams * 2 * groups * 2);
+  uint8_t* base = alloc.allocate(layout.bytes, zeroed);
+  ws.arrived = reinterpret_cast<int*>(base + counters);
+  ws.published = ws.arrived + teams;
+  ws.partial = reinterpret_cast<A*>(base + partial);
+  ws.result = reinterpret_cast<A*>(base + result);
+  return ws;
+}
+
+template <typename scalar_t>
+void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
+                 WorkspaceAllocator& alloc, cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const TeamConfig& t = plan.team;
+  const auto x = static_cast<const scalar_t*>(a.x);
+  const auto gamma = static_cast<const scalar_t*>(a.gamma);
+  const auto beta = static_cast<const scalar_t*>(a.beta);
+  const auto y = static_cast<scalar_t*>(a.y);
+  const auto mean = static_cast<A*>(a.mean);
+  const auto rstd = static_cast<A*>(a.rstd);
+  LaunchShape shape{plan.grid, plan.threads, plan.smem};
+  shape.cooperative = t.team > 1;
+  const int D = int(p.D());
+  if (plan.kernel == ForwardKernel::ChannelsLast) {
+    const int unit_groups = p.G / t.blocks;
+    const auto ws = team_workspace<A>(plan, unit_groups, alloc);
+    with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
+      launch_kernel(&groupnorm_forward_channels_last_kernel<scalar_t, decltype(v)::value>, shape,
+                    stream, x, gamma, beta, y, mean, rstd, ws, plan.units, p.HxW, int(p.C),
+                    t.blocks, int(p.C / t.blocks), unit_groups, D, t.rows_per_step, t.team,
+                    t.slice, t.kept, A(a.eps));
+    });
+    return;
+  }
+  const auto ws = team_workspace<A>(plan, 1, alloc);
+  const int64_t slice_elems = t.slice * plan.vec;
+  const bool fast_div = p.HxW + slice_elems < (int64_t(1) << 31);
+  const FastDivider hxw_div(fast_div ? uint32_t(p.HxW) : 1u);
+  with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
+    launch_kernel(&groupnorm_forward_contiguous_kernel<scalar_t, decltype(v)::value>, shape,
+                  stream, x, gamma, beta, y, mean, rstd, ws, plan.units, int64_t(D) * p.HxW,
+                  p.HxW, p.G, D, t.team, slice_elems, t.kept, hxw_div, fast_div, A(a.eps));
+  });
+}
+
+#define GROUPNORM_INSTANTIATE_TEAM(T)                                                  \
+  template const void* team_kernel<T>(bool, int);                                      \
+  template void launch_team<T>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
+                               WorkspaceAllocator&, cudaStream_t);
+GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_TEAM)
+#undef GROUPNORM_INSTANTIATE_TEAM
+
+}  // namespace groupnorm

@@ -1,0 +1,91 @@
+// The kernel families' entry points on the host: each family's translation
+// unit defines them for every dtype (scalar_t: float, double, c10::Half,
+// c10::BFloat16). The planner asks for kernel symbols (occupancy); the
+// forward and backward entry points launch plans.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cuda_runtime_api.h>
+
+#include "layout.h"
+#include "plan.h"
+
+namespace groupnorm {
+
+// Pointers of one forward call, typed by the launcher: x, y in the input's
+// layout; gamma, beta [C] or null; mean, rstd [N, G] in the accumulation type.
+struct ForwardArgs {
+  const void* x;
+  const void* gamma;
+  const void* beta;
+  void* y;
+  void* mean;
+  void* rstd;
+  double eps;
+};
+
+// One backward call: dy and x in x's layout; dx there or null (not wanted);
+// dgamma, dbeta [C] or null (not wanted).
+struct BackwardArgs {
+  const void* dy;
+  const void* x;
+  const void* mean;
+  const void* rstd;
+  const void* gamma;
+  void* dx;
+  void* dgamma;
+  void* dbeta;
+};
+
+// Kernel symbols for the occupancy queries. Either merge of a stream kernel
+// has the same launch bounds and shared memory, so the same residency.
+template <typename scalar_t>
+const void* team_kernel(bool channels_last, int vec);
+template <typename scalar_t>
+const void* registers_kernel(int vec, int items);
+template <typename scalar_t>
+const void* stream_kernel(bool channels_last, int vec);
+template <typename scalar_t>
+const void* backward_stream_kernel(bool channels_last, int vec);
+
+template <typename scalar_t>
+void launch_reference(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
+                      cudaStream_t stream);
+template <typename scalar_t>
+void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
+                      cudaStream_t stream);
+template <typename scalar_t>
+void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
+                 WorkspaceAllocator& workspace, cudaStream_t stream);
+template <typename scalar_t>
+void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
+                   WorkspaceAllocator& workspace, cudaStream_t stream);
+template <typename scalar_t>
+void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
+                            WorkspaceAllocator& workspace, cudaStream_t stream);
+template <typename scalar_t>
+void launch_backward_stream(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
+                            WorkspaceAllocator& workspace, cudaStream_t stream);
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// f(TypeTag<scalar_t>{}) for the dtype of a problem.
+template <typename F>
+decltype(auto) with_dtype(c10::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case c10::ScalarType::Double:
+      return f(TypeTag<double>{});
+    case c10::ScalarType::Half:
+      return f(TypeTag<c10::Half>{});
+    case c10::ScalarType::BFloat16:
+      return f(TypeTag<c10::BFloat16>{});
+    default:
+      return f(TypeTag<float>{});
+  }
+}
+
+}  // namespace groupnorm

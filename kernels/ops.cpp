@@ -1,0 +1,245 @@
+// The entry points on tensors: checks, the problem description, allocation of
+// outputs and workspaces, and the launch of a plan on the current stream
+// under a device guard. No host synchronisation; every temporary comes from
+// PyTorch's caching allocator.
+#include "ops.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <cmath>
+
+#include "launchers.h"
+#include "message.h"
+
+namespace groupnorm {
+namespace {
+
+struct Checked {
+  at::Tensor x;  // the tensor the kernel reads (a contiguous copy if x was neither layout)
+  c10::optional<at::Tensor> gamma, beta;
+  Problem problem;
+};
+
+// (N, C, *) whose memory order is N, *, C with no gaps: channels_last,
+// channels_last_3d, and the same for any number of trailing dims.
+bool is_channels_last_like(const at::Tensor& x) {
+  if (x.dim() < 3) return false;
+  const int64_t C = x.size(1);
+  if (C != 1 && x.stride(1) != 1) return false;
+  int64_t expected = C;
+  for (int64_t d = x.dim() - 1; d >= 2; --d) {
+    if (x.size(d) != 1 && x.stride(d) != expected) return false;
+    expected *= x.size(d);
+  }
+  return x.size(0) == 1 || x.stride(0) == expected;
+}
+
+c10::optional<at::Tensor> check_affine(const c10::optional<at::Tensor>& t, const char* name,
+                                       const at::Tensor& x) {
+  if (!t.has_value() || !t->defined()) return c10::nullopt;
+  const int64_t C = x.size(1);
+  TORCH_CHECK_VALUE(t->dim() == 1 && t->size(0) == C,
+                    message("groupnorm: ", name, " must have shape [", C,
+                            "] (one value per channel), got ", t->sizes()));
+  TORCH_CHECK_TYPE(t->scalar_type() == x.scalar_type(),
+                   message("groupnorm: ", name, " has dtype ", t->scalar_type(),
+                           " but input has dtype ", x.scalar_type()));
+  TORCH_CHECK_VALUE(t->device() == x.device(), message("groupnorm: ", name, " is on ", t->device(),
+                                                       " but input is on ", x.device()));
+  return t->contiguous();
+}
+
+Checked check_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& gamma,
+                     const c10::optional<at::Tensor>& beta, int64_t groups, double eps) {
+  TORCH_CHECK_VALUE(x.defined(), "groupnorm: input is undefined");
+  TORCH_CHECK_VALUE(x.is_cuda(), message("groupnorm: input must be a CUDA tensor, got one on ",
+                                         x.device(), " (group_norm() handles CPU tensors)"));
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_TYPE(
+      dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kDouble,
+      message("groupnorm: input dtype must be float32, float16, bfloat16 or float64, got ", dtype));
+  TORCH_CHECK_VALUE(x.dim() >= 2,
+                    message("groupnorm: input must have shape (N, C, *), got ", x.sizes()));
+  const int64_t C = x.size(1);
+  TORCH_CHECK_VALUE(groups > 0, message("groupnorm: num_groups must be positive, got ", groups));
+  TORCH_CHECK_VALUE(C % groups == 0, message("groupnorm: num_channels (", C,
+                                             ") must be divisible by num_groups (", groups, ")"));
+  TORCH_CHECK_VALUE(std::isfinite(eps) && eps >= 0,
+                    message("groupnorm: eps must be finite and >= 0, got ", eps));
+  Checked c;
+  c.gamma = check_affine(gamma, "weight", x);
+  c.beta = check_affine(beta, "bias", x);
+  const bool contiguous = x.is_contiguous();
+  const bool channels_last = !contiguous && is_channels_last_like(x);
+  c.x = contiguous || channels_last ? x : x.contiguous();
+  int64_t HxW = 1;
+  for (int64_t d = 2; d < x.dim(); ++d) HxW *= x.size(d);
+  const int device = x.device().index();
+  c.problem = Problem{x.size(0),
+                      C,
+                      HxW,
+                      int(groups),
+                      channels_last,
+                      dtype,
+                      int64_t(x.element_size()),
+                      dtype == at::kDouble ? 8 : 4,
+                      reinterpret_cast<uintptr_t>(c.x.data_ptr()),
+                      device,
+                      &device_info(device)};
+  return c;
+}
+
+at::ScalarType acc_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Workspaces from the caching allocator on the launch stream. The tensors
+// stay alive until the call returns, after the launches are enqueued: the
+// allocator does not hand their memory to another stream before then.
+class TensorWorkspace final : public WorkspaceAllocator {
+ public:
+  TensorWorkspace(const at::Tensor& like, cudaStream_t stream) : like_(like), stream_(stream) {}
+  uint8_t* allocate(int64_t bytes, int64_t zeroed) override {
+    held_.push_back(at::empty({bytes}, like_.options().dtype(at::kByte)));
+    uint8_t* base = held_.back().data_ptr<uint8_t>();
+    if (zeroed > 0) C10_CUDA_CHECK(cudaMemsetAsync(base, 0, size_t(zeroed), stream_));
+    return base;
+  }
+
+ private:
+  const at::Tensor& like_;
+  cudaStream_t stream_;
+  std::vector<at::Tensor> held_;
+};
+
+cudaStream_t current_stream(const at::Tensor& x) {
+  return c10::cuda::getCurrentCUDAStream(x.device().index()).stream();
+}
+
+const void* data_or_null(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->data_ptr() : nullptr;
+}
+
+}  // namespace
+}  // namespace groupnorm
+
+using namespace groupnorm;
+
+std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                                const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
+                                const std::string& kernel, int64_t team, int64_t lag) {
+  Checked c = check_inputs(x, weight, bias, groups, eps);
+  const c10::cuda::CUDAGuard guard(x.device());
+  // c.x is dense (contiguous or channels-last-like), so y gets its exact strides.
+  at::Tensor y = at::empty_like(c.x);
+  at::Tensor mean = at::empty({c.problem.N, groups}, x.options().dtype(acc_dtype(x)));
+  at::Tensor rstd = at::empty({c.problem.N, groups}, x.options().dtype(acc_dtype(x)));
+  if (x.numel() == 0) return {y, mean, rstd};
+  const ForwardPlan plan = choose_forward(c.problem, Request{kernel, team, lag});
+  const cudaStream_t stream = current_stream(x);
+  TensorWorkspace workspace(y, stream);
+  const ForwardArgs args{c.x.data_ptr(),    data_or_null(c.gamma), data_or_null(c.beta),
+                         y.data_ptr(),      mean.data_ptr(),       rstd.data_ptr(),
+                         eps};
+  with_dtype(c.problem.dtype, [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    switch (plan.kernel) {
+      case ForwardKernel::Reference:
+        return launch_reference<scalar_t>(plan, c.problem, args, stream);
+      case ForwardKernel::Registers:
+        return launch_registers<scalar_t>(plan, c.problem, args, stream);
+      case ForwardKernel::Contiguous:
+      case ForwardKernel::ChannelsLast:
+        return launch_team<scalar_t>(plan, c.problem, args, workspace, stream);
+      case ForwardKernel::Stream:
+      case ForwardKernel::StreamChannelsLast:
+        return launch_stream<scalar_t>(plan, c.problem, args, workspace, stream);
+    }
+  });
+  return {y, mean, rstd};
+}
+
+std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+                                 const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
+                                 int64_t groups, bool need_dx, bool need_affine,
+                                 const std::string& kernel, int64_t lag) {
+  Checked c = check_inputs(x, weight, c10::nullopt, groups, 0.0);
+  const c10::cuda::CUDAGuard guard(x.device());
+  TORCH_CHECK_VALUE(dy.defined() && dy.sizes() == x.sizes(),
+                    message("groupnorm backward: grad_output must have the input's shape ",
+                            x.sizes(), ", got ", dy.defined() ? dy.sizes() : c10::IntArrayRef{}));
+  TORCH_CHECK_TYPE(dy.scalar_type() == x.scalar_type(),
+                   message("groupnorm backward: grad_output has dtype ", dy.scalar_type(),
+                           " but input has dtype ", x.scalar_type()));
+  TORCH_CHECK_VALUE(dy.device() == x.device(),
+                    message("groupnorm backward: grad_output is on ", dy.device(),
+                            " but input is on ", x.device()));
+  const Problem& p = c.problem;
+  for (const at::Tensor* t : {&mean, &rstd}) {
+    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == p.N && t->size(1) == groups &&
+                          t->scalar_type() == acc_dtype(x) && t->device() == x.device() &&
+                          t->is_contiguous(),
+                      message("groupnorm backward: mean and rstd must be contiguous [", p.N, ", ",
+                              groups, "] ", c10::toString(acc_dtype(x)), " tensors on ",
+                              x.device()));
+  }
+  const auto empty = [&] { return at::empty({0}, x.options()); };
+  if (!need_dx && !need_affine) return {empty(), empty(), empty()};  // nothing to compute
+  const at::Tensor& xk = c.x;
+  at::Tensor dyk = dy;
+  if (dy.strides() != xk.strides()) {  // into x's layout
+    dyk = at::empty_like(xk);
+    dyk.copy_(dy);
+  }
+  at::Tensor dx = need_dx ? at::empty_like(xk) : empty();
+  at::Tensor dgamma = empty(), dbeta = empty();
+  if (need_affine) {
+    const bool nothing = p.N * p.HxW == 0;  // sums over no element
+    dgamma = nothing ? at::zeros({p.C}, x.options()) : at::empty({p.C}, x.options());
+    dbeta = nothing ? at::zeros({p.C}, x.options()) : at::empty({p.C}, x.options());
+  }
+  if (x.numel() == 0) return {dx, dgamma, dbeta};
+  Problem both = p;
+  both.addr |= reinterpret_cast<uintptr_t>(dyk.data_ptr());  // vectors must suit x and dy
+  const BackwardPlan plan = choose_backward(both, need_dx, Request{kernel, 0, lag});
+  const cudaStream_t stream = current_stream(x);
+  TensorWorkspace workspace(x, stream);
+  const BackwardArgs args{dyk.data_ptr(),
+                          xk.data_ptr(),
+                          mean.data_ptr(),
+                          rstd.data_ptr(),
+                          data_or_null(c.gamma),
+                          need_dx ? dx.data_ptr() : nullptr,
+                          need_affine ? dgamma.data_ptr() : nullptr,
+                          need_affine ? dbeta.data_ptr() : nullptr};
+  with_dtype(p.dtype, [&](auto tag) {
+    using scalar_t = typename decltype(tag)::type;
+    if (plan.kernel == BackwardKernel::Stream || plan.kernel == BackwardKernel::StreamChannelsLast) {
+      launch_backward_stream<scalar_t>(plan, both, args, workspace, stream);
+    } else {
+      launch_backward_passes<scalar_t>(plan, both, args, workspace, stream);
+    }
+  });
+  return {dx, dgamma, dbeta};
+}
+
+PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
+                        int64_t team, int64_t lag) {
+  Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
+  if (x.numel() == 0) return {{"kernel", std::string("none")}, {"reason", std::string("empty input: no launch")}};
+  const c10::cuda::CUDAGuard guard(x.device());
+  return describe(choose_forward(c.problem, Request{kernel, team, lag}), c.problem);
+}
+
+PlanFields backward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
+                         int64_t lag) {
+  Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
+  if (x.numel() == 0) return {{"kernel", std::string("none")}, {"reason", std::string("empty input: no launch")}};
+  const c10::cuda::CUDAGuard guard(x.device());
+  return describe(choose_backward(c.problem, true, Request{kernel, 0, lag}), c.problem);
+}

@@ -1,0 +1,32 @@
+// The extension's entry points on tensors (ops.cpp), bound to Python by
+// bindings.cpp. Errors name the problem and the values.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/Optional.h>
+
+#include <string>
+#include <vector>
+
+#include "plan.h"
+
+// Returns [y, mean, rstd]; mean and rstd are [N, G] in the accumulation type
+// (float, or double for double input). kernel, team and lag force a path
+// (Request); "auto", 0, 0 let choose_forward decide.
+std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                                const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
+                                const std::string& kernel, int64_t team, int64_t lag);
+
+// Returns [dx, dweight, dbias]; each is an empty tensor when not asked for.
+// kernel: "auto", "passes" or "stream"; lag forces the stream kernel's lag.
+std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+                                 const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
+                                 int64_t groups, bool need_dx, bool need_affine,
+                                 const std::string& kernel, int64_t lag);
+
+// The plan forward() would run for x, or backward() for x and a grad_output
+// laid out like it (dx wanted). Empty input: no launch, no fields but that.
+groupnorm::PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
+                                   int64_t team, int64_t lag);
+groupnorm::PlanFields backward_plan(const at::Tensor& x, int64_t groups,
+                                    const std::string& kernel, int64_t lag);

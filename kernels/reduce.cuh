@@ -1,0 +1,261 @@
+// Deterministic reductions shared by every kernel: warp and block sums, the
+// per-group sum of a per-thread table, Chan merges of (count, mean, M2)
+// partials, and sums of (a, b) pair sets. Every order is fixed, so results
+// never depend on timing.
+#pragma once
+
+#include "vec.cuh"
+
+namespace groupnorm {
+
+template <typename A>
+__device__ __forceinline__ A warp_sum(A v) {
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+
+// Sums each of K values over the block, in a fixed order, with one pair of
+// barriers for all of them; every thread gets the totals. `scratch` holds
+// K * blockDim.x / 32 values.
+template <int K, typename A>
+__device__ void block_sums(A (&v)[K], A* scratch) {
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const int warps = blockDim.x / kWarp;
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
+  __syncthreads();  // scratch may still be read from an earlier call
+  if (lane == 0) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) scratch[k * warps + warp] = v[k];
+  }
+  __syncthreads();
+  A total[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) total[k] = 0;
+  for (int w = 0; w < warps; ++w) {
+#pragma unroll
+    for (int k = 0; k < K; ++k) total[k] += scratch[k * warps + w];
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) v[k] = total[k];
+}
+
+template <typename A>
+__device__ __forceinline__ A block_sum(A v, A* scratch) {
+  A values[1] = {v};
+  block_sums<1>(values, scratch);
+  return values[0];
+}
+
+template <typename A>
+__device__ __forceinline__ void block_sum2(A& a, A& b, A* scratch) {
+  A values[2] = {a, b};
+  block_sums<2>(values, scratch);
+  a = values[0];
+  b = values[1];
+}
+
+// Sums a per-thread table red[rows][cols] into one value per group, where
+// group g owns columns [g * cols_per_group, (g + 1) * cols_per_group). One warp
+// per group. Ends with a barrier so out[] is visible to the whole block.
+template <typename A>
+__device__ void reduce_groups(const A* red, int rows, int cols, int groups, int cols_per_group,
+                              A* out) {
+  const int warp = threadIdx.x / kWarp;
+  const int lane = threadIdx.x % kWarp;
+  const int warps = blockDim.x / kWarp;
+  const int entries = rows * cols_per_group;
+  for (int g = warp; g < groups; g += warps) {
+    A s = 0;
+    for (int e = lane; e < entries; e += kWarp) {
+      const int r = e / cols_per_group;
+      const int c = e - r * cols_per_group;
+      s += red[r * cols + g * cols_per_group + c];
+    }
+    s = warp_sum(s);
+    if (lane == 0) out[g] = s;
+  }
+  __syncthreads();
+}
+
+// Running statistics of a set of values: count, mean, sum of squared
+// deviations. merge() is Chan et al.'s pairwise update.
+template <typename A>
+struct Stats {
+  A n, mean, m2;
+  __device__ __forceinline__ void merge(A n_b, A mean_b, A m2_b) {
+    const A total = n + n_b;
+    if (n_b == A(0)) return;
+    const A delta = mean_b - mean;
+    const A share = n_b / total;
+    mean += delta * share;
+    m2 += m2_b + delta * delta * n * share;
+    n = total;
+  }
+};
+
+// Elements per group that slice `rank` covers: `per_slice` items of
+// `multiplier` elements each, out of `total_items`; the last slices may be
+// short or empty.
+template <typename A>
+struct SliceCounts {
+  int64_t per_slice, total_items, multiplier;
+  __device__ __forceinline__ A operator()(int rank) const {
+    const int64_t first = int64_t(rank) * per_slice;
+    const int64_t items = first < total_items ? min(per_slice, total_items - first) : 0;
+    return A(items * multiplier);
+  }
+};
+
+// Merges the T (mean, M2) partials of groups [g_begin, g_end) (partial
+// [T, groups, 2], read through L2) with the whole block: `per_group` threads
+// (a power of two) share a group, each merging every per_group-th partial,
+// then a fixed tree (shuffles within a warp, `scratch` across warps) brings
+// them to the group's first thread, which calls done(g, stats).
+template <typename A, typename CountOf, typename Done>
+__device__ void merge_partials(const A* partial, int T, int groups, int g_begin, int g_end,
+                               CountOf count_of, A* scratch, Done done) {
+  const int span = g_end - g_begin;
+  int per_group = 1;
+  while (per_group < T && per_group * 2 * span <= int(blockDim.x)) per_group *= 2;
+  const int width = min(per_group, kWarp);
+  const int sub = threadIdx.x % per_group;
+  const int lane = threadIdx.x % kWarp;
+  const int warp = threadIdx.x / kWarp;
+  const int warps_per_group = per_group / width;
+  const int slots = blockDim.x / per_group;
+  const int warps = blockDim.x / kWarp;
+  for (int base = g_begin; base < g_end; base += slots) {  // same trip count in every thread
+    const int g = base + int(threadIdx.x) / per_group;
+    Stats<A> acc{0, 0, 0};
+    if (g < g_end && threadIdx.x < slots * per_group) {
+      int r = sub;
+      for (; r + 3 * per_group < T; r += 4 * per_group) {  // four loads in flight
+        A m[4], q[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          m[u] = __ldcg(&partial[(int64_t(r + u * per_group) * groups + g) * 2]);
+          q[u] = __ldcg(&partial[(int64_t(r + u * per_group) * groups + g) * 2 + 1]);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) acc.merge(count_of(r + u * per_group), m[u], q[u]);
+      }
+      for (; r < T; r += per_group) {
+        acc.merge(count_of(r), __ldcg(&partial[(int64_t(r) * groups + g) * 2]),
+                  __ldcg(&partial[(int64_t(r) * groups + g) * 2 + 1]));
+      }
+    }
+    for (int offset = 1; offset < width; offset *= 2) {  // lane absorbs lane + offset
+      const A n_b = __shfl_down_sync(0xffffffffu, acc.n, offset, width);
+      const A mean_b = __shfl_down_sync(0xffffffffu, acc.mean, offset, width);
+      const A m2_b = __shfl_down_sync(0xffffffffu, acc.m2, offset, width);
+      if (lane % (2 * offset) == 0) acc.merge(n_b, mean_b, m2_b);
+    }
+    if (warps_per_group > 1) {  // then the warps of a group, in warp order
+      __syncthreads();
+      if (lane == 0) {
+        scratch[warp] = acc.n;
+        scratch[warps + warp] = acc.mean;
+        scratch[2 * warps + warp] = acc.m2;
+      }
+      __syncthreads();
+      if (sub == 0) {
+        for (int w = 1; w < warps_per_group; ++w) {
+          acc.merge(scratch[warp + w], scratch[warps + warp + w], scratch[2 * warps + warp + w]);
+        }
+      }
+    }
+    if (g < g_end && sub == 0 && threadIdx.x < slots * per_group) done(g, acc);
+  }
+}
+
+// One (a, b) pair, read through L2 in one load: pairs are written by the
+// same launch (stream kernels) or the launch before (coefficients).
+template <typename A>
+__device__ __forceinline__ void load_pair_l2(const A* p, A& first, A& second) {
+  if constexpr (sizeof(A) == 4) {
+    const float2 q = __ldcg(reinterpret_cast<const float2*>(p));
+    first = q.x;
+    second = q.y;
+  } else {
+    const double2 q = __ldcg(reinterpret_cast<const double2*>(p));
+    first = q.x;
+    second = q.y;
+  }
+}
+
+template <typename A>
+__device__ __forceinline__ void store_pair(A* p, A a, A b) {
+  p[0] = a;
+  p[1] = b;
+}
+
+// Adds pairs first, first + step, ... below end (pair k at p + k * stride *
+// 2) into s1 and s2 in that order, kInFlight loads in flight (a plain loop
+// waits for each load before issuing the next).
+template <int kInFlight, typename A>
+__device__ __forceinline__ void add_pairs(const A* p, int64_t first, int64_t end, int64_t step,
+                                          int64_t stride, A& s1, A& s2) {
+  for (int64_t k0 = first; k0 < end; k0 += kInFlight * step) {
+    A a[kInFlight], q[kInFlight];
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (k0 + u * step < end) load_pair_l2(p + (k0 + u * step) * stride * 2, a[u], q[u]);
+    }
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      if (k0 + u * step < end) {
+        s1 += a[u];
+        s2 += q[u];
+      }
+    }
+  }
+}
+
+// Lanes of the block that add each of `width` pair sets: add_pair_sets
+// gives min(width, blockDim.x) sets a pass, the rest of the threads lanes.
+__device__ __forceinline__ int pair_set_lanes(int width) {
+  return int(blockDim.x) / min(width, int(blockDim.x));
+}
+
+// For each j < width, adds the `count` pairs of set j (pair k at base +
+// (j * set_stride + k * pair_stride) * 2) and calls store(j, a, b) in one
+// thread. Threads take (j, lane) pairs, j fastest (coalesced where sets are
+// adjacent), add their pairs in order, then the lanes of each j are added in
+// order. kInFlight: pairs a thread has in flight (add_pairs). red_a, red_b:
+// blockDim.x values of shared memory each.
+template <int kInFlight, typename A, typename Store>
+__device__ __forceinline__ void add_pair_sets(const A* base, int64_t count, int64_t set_stride,
+                                              int64_t pair_stride, int width, A* red_a, A* red_b,
+                                              Store store) {
+  const int tid = threadIdx.x;
+  const int span = min(width, int(blockDim.x));  // sets at a time
+  const int lanes = int(blockDim.x) / span;
+  const int j_in = tid % span;
+  const int lane = tid / span;
+  for (int j0 = 0; j0 < width; j0 += span) {
+    A a = 0, b = 0;
+    if (lane < lanes && j0 + j_in < width) {
+      add_pairs<kInFlight>(base + int64_t(j0 + j_in) * set_stride * 2, lane, count, lanes,
+                           pair_stride, a, b);
+    }
+    __syncthreads();  // the tables may still be read from the last pass
+    red_a[tid] = a;
+    red_b[tid] = b;
+    __syncthreads();
+    if (tid < span && j0 + tid < width) {
+      A ta = 0, tb = 0;
+      for (int l = 0; l < lanes; ++l) {
+        ta += red_a[l * span + tid];
+        tb += red_b[l * span + tid];
+      }
+      store(j0 + tid, ta, tb);
+    }
+  }
+}
+
+}  // namespace groupnorm
