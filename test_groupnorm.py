@@ -300,7 +300,7 @@ def test_extension_name_tracks_sources(monkeypatch):
     assert before == gn.extension_name("9.0")
     assert before != gn.extension_name("8.0")
     files = {name: gn._read_source(name) for name in gn._kernel_files()}
-    files["common.cuh"] += "\n// edited\n"
+    files["reduce.cuh"] += "\n// edited\n"
     monkeypatch.setattr(gn, "_EMBEDDED_SOURCES", files)
     assert gn.extension_name("9.0") != before
 
@@ -464,7 +464,9 @@ def test_gpu_shifted_inputs_stay_accurate(layout, dtype):
         check_against_reference(x, groups, w, b)
 
 
-FORCED = [  # (shape, groups, dtype, layout, kernel, team)
+# The last number of a row forces the team kernels' CTAs per unit (team=) or
+# the stream kernels' lag in pieces (lag=); see forcing(). 0: the planner's.
+FORCED = [  # (shape, groups, dtype, layout, kernel, team or lag)
     ((2, 6, 5, 7), 3, torch.float32, "contiguous", "reference", 0),
     ((2, 96, 17, 23), 6, torch.bfloat16, "channels_last", "reference", 0),
     ((3, 60, 31), 5, torch.float16, "contiguous", "contiguous", 1),
@@ -536,33 +538,44 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team)
 ]
 
 
+def forcing(kernel, n):
+    """The forcing argument of a FORCED row's last number: the lag (pieces)
+    of the stream kernels, the team (CTAs per unit) of the others (0 there
+    for the reference and registers kernels)."""
+    return {"lag": n} if kernel == "stream" else {"team": n}
+
+
+def forced_id(case):
+    shape, groups, dtype, layout, kernel, n = case
+    return f"{shape_id((shape, groups))}-{str(dtype)[6:]}-{layout}-{kernel}-{'L' if kernel == 'stream' else 'T'}{n}"
+
+
 @cuda
-@pytest.mark.parametrize("case", FORCED, ids=lambda c: f"{shape_id(c[:2])}-{str(c[2])[6:]}-{c[3]}-{c[4]}-T{c[5]}"
-                         if isinstance(c, tuple) else str(c))
+@pytest.mark.parametrize("case", FORCED, ids=forced_id)
 def test_gpu_forced_paths(case):
-    shape, groups, dtype, layout, kernel, team = case
+    shape, groups, dtype, layout, kernel, n = case
+    force = forcing(kernel, n)
     x = make_input(shape, dtype, layout, "cuda", shift=2.0)
     if kernel == "registers" and torch.cuda.get_device_capability() < (9, 0):
         try:
             gn.plan(x, groups, kernel=kernel)
         except RuntimeError:
             pytest.skip("a group larger than one CTA needs thread-block clusters (sm_90+)")
-    text = gn.plan(x, groups, kernel=kernel, team=team)
-    assert text.startswith(kernel), text
-    if kernel == "stream":  # team is the lag, kept between pieces per unit and all pieces
-        pieces = int(text.split(" pieces=")[1].split()[0])
-        blocks = int(text.split(" blocks=")[1].split()[0]) if " blocks=" in text else 1
-        units = x.shape[0] * (blocks if layout == "channels_last" else groups)
+    plan = gn.plan(x, groups, kernel=kernel, **force)
+    assert plan["kernel"] == kernel, plan
+    if kernel == "stream":  # the lag, kept between pieces per unit and all pieces
+        pieces = plan["pieces"]
+        units = x.shape[0] * (plan["blocks"] if layout == "channels_last" else groups)
         total = units * pieces
-        lag = int(text.split(" lag=")[1].split()[0])
-        assert lag == min(total, max(pieces, team)) if team else pieces <= lag <= total, text
-        assert " merge=" in text, text
-    elif team:
-        assert f"team={team} " in text, text
+        lag = plan["lag"]
+        assert lag == min(total, max(pieces, n)) if n else pieces <= lag <= total, plan
+        assert plan["merge"] in ("each", "once"), plan
+    elif n:
+        assert plan["team"] == n, plan
     for _ in range(2):  # fresh weights each time; the result must not depend on timing
         w, b = affine(shape[1], dtype, "cuda", "both")
-        check_against_reference(x, groups, w, b, kernel=kernel, team=team)
-    check_saved_statistics(x, groups, kernel, team)
+        check_against_reference(x, groups, w, b, kernel=kernel, **force)
+    check_saved_statistics(x, groups, kernel, **force)
 
 
 @cuda
@@ -572,10 +585,10 @@ def test_gpu_forced_stream_covers_both_merges(layout):
     # (contiguous) or on the unit's partials against a piece's bytes
     # (channels-last); the forced cases must run both on this device.
     merges = set()
-    for shape, groups, dtype, case_layout, kernel, team in FORCED:
+    for shape, groups, dtype, case_layout, kernel, lag in FORCED:
         if kernel == "stream" and case_layout == layout:
             x = make_input(shape, dtype, layout, "cuda")
-            merges.add(gn.plan(x, groups, kernel="stream", team=team).split(" merge=")[1].split()[0])
+            merges.add(gn.plan(x, groups, kernel="stream", lag=lag)["merge"])
     assert merges == {"each", "once"}, merges
 
 
@@ -592,13 +605,13 @@ def test_gpu_stream_ring_of_partials_wraps(shape, groups, lag, merge):
     # reuse gives wrong statistics. (The wait for a slot is rarely reached:
     # it is covered by the ordering argument, not forced here.)
     x = make_input(shape, torch.float32, "contiguous", "cuda", shift=3.0)
-    text = gn.plan(x, groups, kernel="stream", team=lag)
-    assert int(text.split(" slots=")[1].split()[0]) < shape[0] * groups, text
-    assert f" merge={merge} " in text, text
+    plan = gn.plan(x, groups, kernel="stream", lag=lag)
+    assert plan["slots"] < shape[0] * groups, plan
+    assert plan["merge"] == merge, plan
     for _ in range(3):
         check_against_reference(x, groups, *affine(shape[1], x.dtype, "cuda", "both"),
-                                kernel="stream", team=lag)
-    check_saved_statistics(x, groups, "stream", lag)
+                                kernel="stream", lag=lag)
+    check_saved_statistics(x, groups, "stream", lag=lag)
 
 
 @cuda
@@ -611,14 +624,15 @@ def test_gpu_stream_channels_last_ring_of_partials_wraps(shape, groups, dtype, m
     # As test_gpu_stream_ring_of_partials_wraps, over channels-last units
     # (a sample, or a block of its groups), at the shortest lag.
     x = make_input(shape, dtype, "channels_last", "cuda", shift=3.0)
-    text = gn.plan(x, groups, kernel="stream", team=1)
-    blocks = int(text.split(" blocks=")[1].split()[0]) if " blocks=" in text else 1
-    assert text.startswith("stream channels_last") and f" merge={merge} " in text, text
-    assert int(text.split(" slots=")[1].split()[0]) < shape[0] * blocks, text
+    plan = gn.plan(x, groups, kernel="stream", lag=1)
+    blocks = plan["blocks"]
+    assert plan["kernel"] == "stream" and plan["layout"] == "channels_last" and \
+        plan["merge"] == merge, plan
+    assert plan["slots"] < shape[0] * blocks, plan
     for _ in range(3):
         check_against_reference(x, groups, *affine(shape[1], x.dtype, "cuda", "both"),
-                                kernel="stream", team=1)
-    check_saved_statistics(x, groups, "stream", 1)
+                                kernel="stream", lag=1)
+    check_saved_statistics(x, groups, "stream", lag=1)
 
 
 @cuda
@@ -634,29 +648,31 @@ def test_gpu_stream_channels_last_merges_many_chunks_of_many_pieces():
     # than the tolerance.
     x = make_input((2, 124, 99, 100), torch.float32, "channels_last", "cuda", shift=1000.0)
     x.add_(torch.linspace(0, 8, 99 * 100, device="cuda").view(1, 1, 99, 100))
-    text = gn.plan(x, 31, kernel="stream")
-    assert text.startswith("stream channels_last") and " merge=once " in text, text
-    pieces = int(text.split(" pieces=")[1].split()[0])
-    chunk = int(text.split(" chunk=")[1].split()[0])
+    plan = gn.plan(x, 31, kernel="stream")
+    assert plan["kernel"] == "stream" and plan["layout"] == "channels_last" and \
+        plan["merge"] == "once", plan
+    pieces = plan["pieces"]
+    chunk = plan["chunk"]
     chunks = -(-pieces // chunk)
-    assert chunk >= 8 and chunks >= 4 and pieces % chunk != 0, text
+    assert chunk >= 8 and chunks >= 4 and pieces % chunk != 0, plan
     for _ in range(2):
         check_against_reference(x, 31, *affine(124, x.dtype, "cuda", "both"), kernel="stream")
     # mean and rstd as saved for the backward, on shifted input without the
     # drift: with it, the float32 merges' own rounding comes close to the
     # 2e-5 that check_saved_statistics allows rstd
     check_saved_statistics(make_input(x.shape, x.dtype, "channels_last", "cuda", shift=1000.0), 31,
-                           "stream", 0)
+                           "stream")
 
 
-def check_saved_statistics(x, groups, kernel, team):
+def check_saved_statistics(x, groups, kernel="auto", team=0, lag=0):
     """mean and rstd per (sample, group), which the backward reuses, against
-    float64. A forward of NaN input first leaves NaN statistics in the blocks
-    the call's mean and rstd will reuse, so statistics a kernel fails to write
-    show up instead of an earlier call's."""
+    float64, from the extension's forward with kernel, team and lag forced as
+    groupnorm_cuda forces them. A forward of NaN input first leaves NaN
+    statistics in the blocks the call's mean and rstd will reuse, so
+    statistics a kernel fails to write show up instead of an earlier call's."""
     ext = gn.load()
-    ext.forward(torch.full_like(x, float("nan")), None, None, groups, 1e-5, kernel, team)
-    _, mean, rstd = ext.forward(x, None, None, groups, 1e-5, kernel, team)
+    ext.forward(torch.full_like(x, float("nan")), None, None, groups, 1e-5, kernel, team, lag)
+    _, mean, rstd = ext.forward(x, None, None, groups, 1e-5, kernel, team, lag)
     xs = x.double().reshape(x.shape[0], groups, -1)
     ref_mean = xs.mean(-1)
     ref_var = xs.var(-1, unbiased=False)
@@ -670,9 +686,81 @@ def check_saved_statistics(x, groups, kernel, team):
     assert ((rstd.double() - ref_rstd).abs() <= rstd_tol * ref_rstd).all(), (rstd, ref_rstd)
 
 
-def kept_fraction(plan_text):
-    kept, slice_ = plan_text.split(" kept=")[1].split()[0].split("/")
-    return int(kept) / int(slice_)
+def kept_fraction(plan):
+    """The share of a team plan's slice that its CTAs keep on chip."""
+    return plan["kept"] / plan["slice"]
+
+
+# The fields of plan() for each forward kernel, in order: the common ones,
+# the kernel's own config, and the reason last (describe() in
+# kernels/plan_forward.cpp).
+FORWARD_PLAN_COMMON = ["kernel", "layout", "vec", "units", "grid", "threads", "smem"]
+FORWARD_PLAN_OWN = {
+    "reference": [],
+    "registers": ["items", "ranks"],
+    "contiguous": ["team", "slice", "kept", "blocks"],
+    "channels_last": ["team", "slice", "kept", "blocks"],
+    "stream": ["pieces", "piece", "lag", "slots", "merge", "chunk", "blocks"],
+}
+FORWARD_PLAN_CASES = [  # (shape, groups, dtype, layout, kernel): one per kernel and layout
+    ((2, 6, 5, 7), 3, torch.float32, "contiguous", "reference"),
+    ((2, 96, 17, 23), 6, torch.bfloat16, "channels_last", "reference"),
+    ((2, 8, 64, 64), 2, torch.float32, "contiguous", "registers"),
+    ((3, 40, 37, 19), 4, torch.float32, "channels_last", "registers"),
+    ((3, 60, 31), 5, torch.float16, "contiguous", "contiguous"),
+    ((2, 64, 45, 45), 8, torch.float16, "channels_last", "channels_last"),
+    ((3, 12, 61, 37), 3, torch.float32, "contiguous", "stream"),
+    ((2, 64, 45, 45), 8, torch.float16, "channels_last", "stream"),
+    ((2, 64, 128, 128), 2, torch.float32, "contiguous", "auto"),
+]
+
+
+def check_plan_values(plan):
+    """Every field of a plan dict of the type its name promises."""
+    for name, value in plan.items():
+        if name in ("kernel", "layout", "merge", "reason"):
+            assert isinstance(value, str) and value, (name, plan)
+        elif name == "warp_rows":
+            assert isinstance(value, bool), (name, plan)
+        else:
+            assert isinstance(value, int) and not isinstance(value, bool) and value >= 0, (name, plan)
+
+
+@cuda
+def test_gpu_plan_dicts_have_the_documented_fields():
+    for shape, groups, dtype, layout, kernel in FORWARD_PLAN_CASES:
+        x = make_input(shape, dtype, layout, "cuda")
+        plan = gn.plan(x, groups, kernel=kernel)
+        assert type(plan) is dict, plan
+        if kernel != "auto":
+            assert plan["kernel"] == kernel, plan
+        assert plan["layout"] == layout, plan
+        expected = FORWARD_PLAN_COMMON + FORWARD_PLAN_OWN[plan["kernel"]] + ["reason"]
+        assert list(plan) == expected, (expected, plan)
+        check_plan_values(plan)
+        assert plan["vec"] >= 1 and plan["units"] >= 1 and plan["grid"] >= 1 and plan["threads"] >= 1, plan
+        if plan["kernel"] == "stream":
+            assert plan["merge"] in ("each", "once"), plan
+        if plan["kernel"] in ("contiguous", "channels_last"):
+            assert 1 <= plan["team"] and plan["kept"] <= plan["slice"] and plan["blocks"] >= 1, plan
+    # the backward: passes and stream, either layout
+    common = ["kernel", "layout", "vec", "grid", "threads", "tiles", "chunks", "chunk"]
+    for shape, groups, dtype, layout, kernel, own in [
+            ((3, 40, 8, 8), 4, torch.bfloat16, "contiguous", "passes", ["warp_rows"]),
+            ((2, 2304, 5, 7), 48, torch.float32, "channels_last", "passes", ["blocks", "block_cols"]),
+            ((2, 8, 64, 64), 2, torch.float32, "contiguous", "stream", ["lag"]),
+            ((2, 64, 33, 35), 8, torch.bfloat16, "channels_last", "stream", ["lag", "blocks", "block_cols"])]:
+        x = make_input(shape, dtype, layout, "cuda")
+        plan = gn.plan(x, groups, kernel=kernel, backward=True)
+        assert type(plan) is dict, plan
+        assert plan["kernel"] == kernel and plan["layout"] == layout, plan
+        assert list(plan) == common + own + ["reason"], (common + own + ["reason"], plan)
+        check_plan_values(plan)
+    # empty input: no launch, the kernel "none" and why
+    empty = torch.empty(0, 8, 4, 4, device="cuda")
+    for backward in (False, True):
+        plan = gn.plan(empty, 2, backward=backward)
+        assert list(plan) == ["kernel", "reason"] and plan["kernel"] == "none", plan
 
 
 @cuda
@@ -683,16 +771,21 @@ def test_gpu_plan_chooses_stream_above_l2_size():
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     x = make_input((8, 64, 512, 512), torch.float32, "contiguous", "cuda", shift=1000.0)
     assert x.numel() * 4 >= l2
-    assert gn.plan(x, 8).startswith("stream"), gn.plan(x, 8)
+    assert gn.plan(x, 8)["kernel"] == "stream", gn.plan(x, 8)
     check_against_reference(x, 8, *affine(64, x.dtype, "cuda", "both"))
-    check_saved_statistics(x, 8, "auto", 0)
+    check_saved_statistics(x, 8)
     small = torch.empty(2, 64, 128, 128, device="cuda")
     assert small.numel() * 4 < l2
-    assert gn.plan(small, 8).startswith("contiguous"), gn.plan(small, 8)
+    assert gn.plan(small, 8)["kernel"] == "contiguous", gn.plan(small, 8)
     # larger than L2 but groups of 5 KiB: the registers kernel reads them once
     tiny_groups = torch.empty(512, 1280, 8, 8, device="cuda", dtype=torch.bfloat16)
     assert tiny_groups.numel() * 2 >= l2
-    assert gn.plan(tiny_groups, 32).startswith("registers"), gn.plan(tiny_groups, 32)
+    assert gn.plan(tiny_groups, 32)["kernel"] == "registers", gn.plan(tiny_groups, 32)
+
+
+def is_row_stream(plan):
+    """The stream kernel over channels-last rows."""
+    return plan["kernel"] == "stream" and plan["layout"] == "channels_last"
 
 
 @cuda
@@ -705,25 +798,25 @@ def test_gpu_plan_chooses_row_stream_for_large_channels_last():
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     x = make_input((16, 512, 64, 64), torch.bfloat16, "channels_last", "cuda", shift=1000.0)
     assert x.numel() * 2 >= l2
-    text = gn.plan(x, 32)
-    assert text.startswith("stream channels_last"), text
+    plan = gn.plan(x, 32)
+    assert is_row_stream(plan), plan
     check_against_reference(x, 32, *affine(512, x.dtype, "cuda", "both"))
-    check_saved_statistics(x, 32, "auto", 0)
+    check_saved_statistics(x, 32)
     assert 8 * x[:2].numel() * 2 >= l2, l2
-    assert gn.plan(x[:2], 32).startswith("stream channels_last"), gn.plan(x[:2], 32)
+    assert is_row_stream(gn.plan(x[:2], 32)), gn.plan(x[:2], 32)
     assert 8 * x[:1].numel() * 2 < l2, l2
-    assert not gn.plan(x[:1], 32).startswith("stream"), gn.plan(x[:1], 32)
-    assert gn.plan(x, 256).startswith("channels_last"), gn.plan(x, 256)
-    assert gn.plan(x, 512).startswith("channels_last"), gn.plan(x, 512)
+    assert gn.plan(x[:1], 32)["kernel"] != "stream", gn.plan(x[:1], 32)
+    assert gn.plan(x, 256)["kernel"] == "channels_last", gn.plan(x, 256)
+    assert gn.plan(x, 512)["kernel"] == "channels_last", gn.plan(x, 512)
     one_sample = torch.empty(1, 512, 256, 256, device="cuda", dtype=torch.bfloat16)
     one_sample = one_sample.contiguous(memory_format=torch.channels_last)
     assert one_sample.numel() * 2 >= l2
     # one sample cut into blocks of groups: units small enough to stream
-    text = gn.plan(one_sample, 32)
-    assert text.startswith("stream channels_last") and " blocks=8 " in text, text
+    plan = gn.plan(one_sample, 32)
+    assert is_row_stream(plan) and plan["blocks"] == 8, plan
     single_unit = torch.empty(1, 64, 1024, 1024, device="cuda", dtype=torch.bfloat16)
     single_unit = single_unit.contiguous(memory_format=torch.channels_last)  # rows of 128 B
-    assert gn.plan(single_unit, 4).startswith("channels_last"), gn.plan(single_unit, 4)
+    assert gn.plan(single_unit, 4)["kernel"] == "channels_last", gn.plan(single_unit, 4)
 
 
 @cuda
@@ -732,18 +825,19 @@ def test_gpu_plan_cuts_small_channels_last_samples_into_blocks():
     # kernel's units are blocks of whole groups, so that more teams share
     # the grid.
     x = make_input((2, 320, 128, 128), torch.float16, "channels_last", "cuda", shift=1000.0)
-    text = gn.plan(x, 32)
-    assert text.startswith("channels_last") and " blocks=" in text, text
+    plan = gn.plan(x, 32)
+    assert plan["kernel"] == "channels_last" and plan["blocks"] > 1, plan
     w, b = affine(320, torch.float16, "cuda", "both")
     check_against_reference(x, 32, w, b)
-    check_saved_statistics(x, 32, "auto", 0)
+    check_saved_statistics(x, 32)
     # A block's row stays at least 128 bytes: 64 bfloat16 channels are not cut.
     one = make_input((1, 64, 128, 128), torch.bfloat16, "channels_last", "cuda")
-    assert " blocks=" not in gn.plan(one, 8, kernel="channels_last"), gn.plan(one, 8)
+    plan = gn.plan(one, 8, kernel="channels_last")
+    assert plan["blocks"] == 1, plan
     # Enough samples to fill the grid: not cut either.
     many = make_input((300, 1280, 2, 2), torch.float16, "channels_last", "cuda")
-    text = gn.plan(many, 32, kernel="channels_last")
-    assert " blocks=" not in text, text
+    plan = gn.plan(many, 32, kernel="channels_last")
+    assert plan["blocks"] == 1, plan
 
 
 @cuda
@@ -755,45 +849,47 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
                                          ((4, 512, 64, 64), 32, torch.float16, "contiguous"),
                                          ((1, 512, 64, 64), 32, torch.float16, "channels_last")]:
         x = make_input(shape, dtype, layout, "cuda", shift=1000.0)
-        text = gn.plan(x, groups)
-        assert text.startswith("registers"), text
-        assert ("channels_last" in text) == (layout == "channels_last"), text
+        plan = gn.plan(x, groups)
+        assert plan["kernel"] == "registers", plan
+        assert plan["layout"] == layout, plan
         check_against_reference(x, groups, *affine(shape[1], dtype, "cuda", "both"))
-        check_saved_statistics(x, groups, "auto", 0)
+        check_saved_statistics(x, groups)
     # Groups of 10 channels, which need 4-byte vectors in channels-last: a
     # cluster of CTAs shares each (where the device has clusters).
     x = make_input((2, 320, 64, 64), torch.float16, "channels_last", "cuda", shift=1000.0)
-    text = gn.plan(x, 32)
+    plan = gn.plan(x, 32)
     if torch.cuda.get_device_capability() >= (9, 0):
-        assert text.startswith("registers channels_last vec=2") and " ranks=5 " in text, text
+        assert (plan["kernel"] == "registers" and plan["layout"] == "channels_last" and
+                plan["vec"] == 2 and plan["ranks"] == 5), plan
         check_against_reference(x, 32, *affine(320, x.dtype, "cuda", "both"))
-        check_saved_statistics(x, 32, "auto", 0)
+        check_saved_statistics(x, 32)
     else:
-        assert text.startswith("channels_last"), text
+        assert plan["kernel"] == "channels_last", plan
     # Groups of 2 MiB (more than a cluster holds) of an input under an eighth
     # of L2: a team kernel.
     x = make_input((1, 64, 128, 128), torch.float32, "channels_last", "cuda")
-    assert gn.plan(x, 2).startswith("channels_last"), gn.plan(x, 2)
+    assert gn.plan(x, 2)["kernel"] == "channels_last", gn.plan(x, 2)
     # 64 KiB groups of an input at least as large as L2: these take a whole
     # SM each (16 vectors a thread), so the stream kernel keeps them.
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     many = torch.empty(32, 256, 64, 64, device="cuda", dtype=torch.float16)
-    assert many.numel() * 2 >= l2 and "items=16" in gn.plan(many, 32, kernel="registers")
-    assert not gn.plan(many, 32).startswith("registers"), gn.plan(many, 32)
+    forced = gn.plan(many, 32, kernel="registers")
+    assert many.numel() * 2 >= l2 and forced["items"] == 16, forced
+    assert gn.plan(many, 32)["kernel"] != "registers", gn.plan(many, 32)
     # Small groups of a channels-last input at least as large as L2: not
     # this kernel (each CTA would read partial rows).
     big = make_input((512, 1280, 8, 8), torch.bfloat16, "channels_last", "cuda")
     assert big.numel() * 2 >= l2
-    assert not gn.plan(big, 32).startswith("registers"), gn.plan(big, 32)
+    assert gn.plan(big, 32)["kernel"] != "registers", gn.plan(big, 32)
     # Channels-last input between an eighth of L2 and L2: the stream kernel
     # where its units have many pieces (16 here), the registers kernel where
     # they have fewer than 8 (2 here: 256 rows a sample, pieces of 200).
     mid = make_input((16, 256, 64, 64), torch.bfloat16, "channels_last", "cuda", shift=4.0)
     assert l2 <= 8 * mid.numel() * 2 < 8 * l2
-    assert gn.plan(mid, 32).startswith("stream channels_last"), gn.plan(mid, 32)
+    assert is_row_stream(gn.plan(mid, 32)), gn.plan(mid, 32)
     check_against_reference(mid, 32, *affine(256, mid.dtype, "cuda", "both"))
     deep = make_input((32, 1280, 16, 16), torch.float16, "channels_last", "cuda")
-    assert l2 <= 8 * deep.numel() * 2 and gn.plan(deep, 32).startswith("registers"), gn.plan(deep, 32)
+    assert l2 <= 8 * deep.numel() * 2 and gn.plan(deep, 32)["kernel"] == "registers", gn.plan(deep, 32)
     # Forced on a group larger than a cluster holds: a clear error.
     big = torch.randn(1, 16, 128, 256, device="cuda")
     with pytest.raises(RuntimeError, match="registers kernel holds at most 8192 vectors per group "
@@ -804,8 +900,8 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
 @cuda
 def test_gpu_plan_chooses_multi_cta_teams_for_large_groups():
     x = torch.randn(2, 64, 256, 256, device="cuda")
-    text = gn.plan(x, 2)
-    assert text.startswith("contiguous") and kept_fraction(text) == 1 and "team=1 " not in text, text
+    plan = gn.plan(x, 2)
+    assert plan["kernel"] == "contiguous" and kept_fraction(plan) == 1 and plan["team"] != 1, plan
 
 
 @cuda
@@ -815,8 +911,8 @@ def test_gpu_teams_over_several_rounds(dtype):
     # turn, reusing its workspace by round parity. Fresh weights each call.
     # (float32 is 64 MiB, at least L2's size: forced, or it would stream)
     x = make_input((16, 64, 128, 128), dtype, "contiguous", "cuda", shift=5.0)
-    text = gn.plan(x, 8, kernel="contiguous")
-    assert text.startswith("contiguous") and "team=1 " not in text and " 1 round" not in text, text
+    plan = gn.plan(x, 8, kernel="contiguous")
+    assert plan["kernel"] == "contiguous" and plan["team"] != 1 and " 1 round" not in plan["reason"], plan
     for _ in range(2):
         check_against_reference(x, 8, *affine(64, dtype, "cuda", "both"), kernel="contiguous")
 
@@ -830,15 +926,15 @@ def test_gpu_sample_larger_than_on_chip_memory(dtype, shift):
     # get their statistics from a running update and are read once more, to
     # normalise; far from zero (1000 + randn) too.
     x = make_input((1, 64, 512, 512), dtype, "channels_last", "cuda", shift=shift)
-    text = gn.plan(x, 32, kernel="channels_last")
-    assert text.startswith("channels_last") and kept_fraction(text) < 1, text
+    plan = gn.plan(x, 32, kernel="channels_last")
+    assert plan["kernel"] == "channels_last" and kept_fraction(plan) < 1, plan
     check_against_reference(x, 32, *affine(64, dtype, "cuda", "both"), kernel="channels_last")
 
 
 @cuda
 def test_gpu_team_result_is_deterministic():
     x = make_input((2, 64, 128, 128), torch.float32, "contiguous", "cuda")
-    for force in (dict(team=9), dict(kernel="stream", team=1)):
+    for force in (dict(kernel="contiguous", team=9), dict(kernel="stream", lag=1)):
         first = gn.groupnorm_cuda(x, None, None, 4, **force)
         for _ in range(5):
             assert torch.equal(gn.groupnorm_cuda(x, None, None, 4, **force), first), force
@@ -852,10 +948,10 @@ def test_gpu_non_contiguous_and_misaligned_inputs():
     flat = torch.randn(1 + 2 * 32 * 16 * 16, device="cuda", dtype=torch.float16)
     offset = flat[1:].view(2, 32, 16, 16)             # 2-byte offset breaks 16-byte alignment
     assert offset.data_ptr() % 16 != 0
-    assert "vec=1" in gn.plan(offset, 8)
+    assert gn.plan(offset, 8)["vec"] == 1, gn.plan(offset, 8)
     check_against_reference(offset, 8, *affine(32, torch.float16, "cuda", "both"))
     transposed = torch.randn(2, 50, 24, device="cuda").transpose(1, 2)  # (N, C, L), C innermost
-    assert "channels_last" in gn.plan(transposed, 6)
+    assert gn.plan(transposed, 6)["layout"] == "channels_last", gn.plan(transposed, 6)
     check_against_reference(transposed, 6, *affine(24, torch.float32, "cuda", "both"))
 
 
@@ -911,8 +1007,31 @@ def test_gpu_forced_kernel_errors_name_the_problem():
         (lambda: gn.plan(wide, 1, kernel="stream"), ValueError,
          "the stream kernel for channels-last input needs C / 4 <= 256, got C = 4096"),
         (lambda: gn.plan(small, 2, kernel="channels_last"), ValueError, "does not match the input's layout"),
-        (lambda: gn.plan(small, 2, kernel="reference", team=2), RuntimeError, "the reference kernel has no teams"),
-        (lambda: gn.plan(small, 2, kernel="registers", team=2), RuntimeError, "the registers kernel has no teams"),
+        # team= is for the team kernels alone, lag= for the stream kernels alone
+        (lambda: gn.plan(small, 2, kernel="reference", team=2), ValueError,
+         "team= sets the CTAs per unit of the team kernels (kernel='contiguous' or "
+         "'channels_last'), not of kernel 'reference'"),
+        (lambda: gn.plan(small, 2, kernel="registers", team=2), ValueError,
+         "team= sets the CTAs per unit of the team kernels (kernel='contiguous' or "
+         "'channels_last'), not of kernel 'registers'"),
+        (lambda: gn.plan(small, 2, kernel="stream", team=2), ValueError,
+         "team= sets the CTAs per unit of the team kernels (kernel='contiguous' or "
+         "'channels_last'), not of kernel 'stream'"),
+        (lambda: gn.plan(small, 2, team=2), ValueError,
+         "team= sets the CTAs per unit of the team kernels (kernel='contiguous' or "
+         "'channels_last'), not of kernel 'auto'"),
+        (lambda: gn.plan(small, 2, kernel="contiguous", lag=4), ValueError,
+         "lag= sets the stream kernels' lag (kernel='stream'), not that of kernel 'contiguous'"),
+        (lambda: gn.plan(small, 2, lag=4), ValueError,
+         "lag= sets the stream kernels' lag (kernel='stream'), not that of kernel 'auto'"),
+        (lambda: gn.plan(small, 2, kernel="contiguous", team=-1), ValueError,
+         "team and lag must be >= 0, got team=-1, lag=0"),
+        (lambda: gn.plan(small, 2, kernel="stream", lag=-1), ValueError,
+         "team and lag must be >= 0, got team=0, lag=-1"),
+        (lambda: gn.groupnorm_cuda(small, None, None, 2, kernel="registers", team=2), ValueError,
+         "team= sets the CTAs per unit of the team kernels"),
+        (lambda: gn.groupnorm_cuda(small, None, None, 2, kernel="contiguous", lag=4), ValueError,
+         "lag= sets the stream kernels' lag"),
         (lambda: gn.plan(big_group, 1, kernel="contiguous", team=100000), RuntimeError,
          "a team of 100000 CTAs cannot be co-resident"),
     ]
@@ -927,14 +1046,15 @@ def test_gpu_automatic_fallbacks_are_correct():
     # channels-last rows too wide for one thread per column, in groups too
     # large for the registers kernel: the reference kernel
     wide = make_input((1, 1025, 80, 80), torch.float32, "channels_last", "cuda", shift=3.0)
-    text = gn.plan(wide, 1)
-    assert text.startswith("reference") and "C too wide" in text, text
+    plan = gn.plan(wide, 1)
+    assert plan["kernel"] == "reference" and "C too wide" in plan["reason"], plan
     check_against_reference(wide, 1, *affine(1025, torch.float32, "cuda", "both"))
     # a contiguous group larger than every CTA's shared memory together, in an
     # input under L2's size: the contiguous team kernel, re-reading part of it
     big = make_input((1, 8, 1024, 1024), torch.float32, "contiguous", "cuda", shift=1000.0)
-    text = gn.plan(big, 1)
-    assert text.startswith("contiguous") and "partly re-read" in text and kept_fraction(text) < 1, text
+    plan = gn.plan(big, 1)
+    assert (plan["kernel"] == "contiguous" and "partly re-read" in plan["reason"] and
+            kept_fraction(plan) < 1), plan
     check_against_reference(big, 1, *affine(8, torch.float32, "cuda", "both"))
 
 
@@ -991,7 +1111,8 @@ def test_gpu_runs_on_current_stream_and_in_cuda_graph():
     torch.cuda.current_stream().wait_stream(stream)
     assert gn.max_error(y, expected) < 1e-4
     # capture with a multi-CTA team (cooperative launch + workspace memset) and replay
-    assert "team=1 " not in gn.plan(x, 2)
+    plan = gn.plan(x, 2)
+    assert plan["kernel"] == "contiguous" and plan["team"] > 1, plan
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
         gn.groupnorm_cuda(x, w, b, 2)  # warm-up on the capture stream
@@ -1031,9 +1152,9 @@ def test_gpu_waits_for_work_queued_on_a_delayed_stream(shape, groups, layout, fo
     # up as a side stream already idle.
     x = make_input(shape, torch.float32, layout, "cuda")
     w, b = affine(shape[1], torch.float32, "cuda", "both")
-    text = gn.plan(x, groups, **force)
-    assert text.startswith(force.get("kernel", "contiguous")), text
-    assert force or "team=1 " not in text, text  # automatic: a team of several CTAs
+    plan = gn.plan(x, groups, **force)
+    assert plan["kernel"] == force.get("kernel", "contiguous"), plan
+    assert force or plan["team"] != 1, plan  # automatic: a team of several CTAs
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())  # x, w and b are written
 
@@ -1101,7 +1222,7 @@ def forced_gradients(x, groups, w, b, dy, kernel, lag, affine=True):
     affine=False dweight and dbias are not asked for (None)."""
     ext = gn.load()
     x, w, b = (t.detach() if t is not None else None for t in (x, w, b))
-    _, mean, rstd = ext.forward(x, w, b, groups, 1e-5, "auto", 0)
+    _, mean, rstd = ext.forward(x, w, b, groups, 1e-5, "auto", 0, 0)
     grads = []
 
     def run():
@@ -1186,15 +1307,20 @@ def test_gpu_backward_matches_float64_reference(case, layout, dtype):
     check_backward(x, groups, w, b, dy_t)
 
 
-# One case per backward tiling (the plan text names it, so a case that stops
-# taking its path fails instead of passing on another one).
+def plan_has(plan, expected):
+    """Whether the plan dict holds each of the expected fields and values."""
+    return all(name in plan and plan[name] == value for name, value in expected.items())
+
+
+# One case per tiling of the backward's passes (the plan's fields name it, so
+# a case that stops taking its path fails instead of passing on another one).
 BACKWARD_TILINGS = [
-    ((1, 8, 256, 256), 2, torch.float32, "contiguous", "vec=4 chunks=8 "),  # rows cut into chunks
-    ((3, 40, 8, 8), 4, torch.bfloat16, "contiguous", "(a warp per row)"),
-    ((2, 64, 33, 35), 4, torch.float32, "contiguous", "vec=1 chunks=1 "),  # odd rows, one CTA each
-    ((1, 32, 256, 128), 4, torch.bfloat16, "channels_last", "chunks=64 "),  # lanes split chunks
-    ((2, 2304, 5, 7), 48, torch.float32, "channels_last", "cblocks=3 "),  # column blocks
-    ((2, 515, 6, 6), 5, torch.float16, "channels_last", "vec=1 "),  # odd C: scalar access
+    ((1, 8, 256, 256), 2, torch.float32, "contiguous", dict(vec=4, chunks=8)),  # rows cut into chunks
+    ((3, 40, 8, 8), 4, torch.bfloat16, "contiguous", dict(warp_rows=True)),  # a warp per row
+    ((2, 64, 33, 35), 4, torch.float32, "contiguous", dict(vec=1, chunks=1)),  # odd rows, one CTA each
+    ((1, 32, 256, 128), 4, torch.bfloat16, "channels_last", dict(chunks=64)),  # lanes split chunks
+    ((2, 2304, 5, 7), 48, torch.float32, "channels_last", dict(blocks=3)),  # column blocks
+    ((2, 515, 6, 6), 5, torch.float16, "channels_last", dict(vec=1)),  # odd C: scalar access
 ]
 
 
@@ -1204,7 +1330,9 @@ BACKWARD_TILINGS = [
 def test_gpu_backward_tilings(case):
     shape, groups, dtype, layout, expected = case
     x = make_input(shape, dtype, layout, "cuda")
-    assert expected in gn.plan(x, groups, backward=True)
+    plan = gn.plan(x, groups, backward=True)
+    assert plan["kernel"] == "passes" and plan["layout"] == layout and plan_has(plan, expected), \
+        (expected, plan)
     w, b = affine(shape[1], dtype, "cuda", "both")
     check_backward(x, groups, w, b, make_input(shape, dtype, layout, "cuda"))
 
@@ -1230,18 +1358,19 @@ BACKWARD_STREAM_CASES = [
                          ids=[f"{shape_id(c[:2])}-{str(c[2])[6:]}" for c in BACKWARD_STREAM_CASES])
 def test_gpu_backward_stream_kernel(case):
     shape, groups, dtype = case
-    check_stream_backward(shape, groups, dtype, "contiguous", "stream contiguous")
+    check_stream_backward(shape, groups, dtype, "contiguous", {})
 
 
 def check_stream_backward(shape, groups, dtype, layout, expected):
     """The stream backward forced on fresh input, with and without weight and
     bias, with dx alone asked for, at the default lag, the smallest (one unit: every dx item waits on
     the sums just before) and one past the end (every sums item before any dx
-    item). `expected`: text the plan must hold, so that a case that stops
+    item). `expected`: fields the plan must hold, so that a case that stops
     testing what it says fails."""
     x = make_input(shape, dtype, layout, "cuda")
-    text = gn.plan(x, groups, kernel="stream", backward=True)
-    assert text.startswith("stream " + layout) and expected in text, text
+    plan = gn.plan(x, groups, kernel="stream", backward=True)
+    assert plan["kernel"] == "stream" and plan["layout"] == layout and plan_has(plan, expected), \
+        (expected, plan)
     w, b = affine(shape[1], dtype, "cuda", "both")
     dy = lambda: make_input(shape, dtype, layout, "cuda")  # noqa: E731  (fresh each call)
     check_backward(x, groups, w, b, dy(), kernel="stream")
@@ -1254,20 +1383,20 @@ def check_stream_backward(shape, groups, dtype, layout, expected):
 # The channels-last stream backward forced: ragged last tiles, blocks of
 # groups (3 and 8 a sample), scalar and 2-element vectors, a unit row of
 # exactly kBackwardThreads vectors (one row a step), G = 1 and G = C, 1-D and
-# 3-D, more tiles than resident CTAs. The plan text names vec and blocks, so a
-# case that stops testing what it says fails.
+# 3-D, more tiles than resident CTAs. The plan's fields name vec and blocks,
+# so a case that stops testing what it says fails.
 BACKWARD_STREAM_CL_CASES = [
-    ((2, 64, 33, 35), 8, torch.bfloat16, "vec=8 chunks=5 chunk=256 tiles=10 blocks=1 "),
-    ((2, 512, 20, 20), 32, torch.bfloat16, "vec=8 chunks=2 chunk=256 tiles=32 blocks=8 "),
-    ((3, 96, 17, 19), 6, torch.float32, "vec=4 chunks=2 chunk=256 tiles=18 blocks=3 "),
-    ((2, 15, 9, 11), 5, torch.float32, "vec=1 chunks=1 chunk=136 tiles=2 blocks=1 "),
-    ((2, 32, 40, 40), 1, torch.float16, "vec=8 chunks=4 chunk=512 tiles=8 blocks=1 "),
-    ((2, 32, 24, 24), 32, torch.float16, "vec=1 chunks=9 chunk=64 tiles=18 blocks=1 "),
-    ((2, 16, 30, 30), 4, torch.float64, "vec=2 chunks=4 chunk=256 tiles=8 blocks=1 "),
-    ((2, 64, 4, 20, 20), 8, torch.bfloat16, "vec=8 chunks=7 chunk=256 tiles=14 blocks=1 "),
-    ((2, 64, 1000), 8, torch.float32, "vec=4 chunks=4 chunk=256 tiles=16 blocks=2 "),
-    ((2, 2048, 3, 7), 1, torch.bfloat16, "vec=8 chunks=3 chunk=8 tiles=6 blocks=1 "),
-    ((8, 256, 64, 64), 32, torch.bfloat16, "vec=8 chunks=16 chunk=256 tiles=512 blocks=4 "),
+    ((2, 64, 33, 35), 8, torch.bfloat16, dict(vec=8, chunks=5, chunk=256, tiles=10, blocks=1)),
+    ((2, 512, 20, 20), 32, torch.bfloat16, dict(vec=8, chunks=2, chunk=256, tiles=32, blocks=8)),
+    ((3, 96, 17, 19), 6, torch.float32, dict(vec=4, chunks=2, chunk=256, tiles=18, blocks=3)),
+    ((2, 15, 9, 11), 5, torch.float32, dict(vec=1, chunks=1, chunk=136, tiles=2, blocks=1)),
+    ((2, 32, 40, 40), 1, torch.float16, dict(vec=8, chunks=4, chunk=512, tiles=8, blocks=1)),
+    ((2, 32, 24, 24), 32, torch.float16, dict(vec=1, chunks=9, chunk=64, tiles=18, blocks=1)),
+    ((2, 16, 30, 30), 4, torch.float64, dict(vec=2, chunks=4, chunk=256, tiles=8, blocks=1)),
+    ((2, 64, 4, 20, 20), 8, torch.bfloat16, dict(vec=8, chunks=7, chunk=256, tiles=14, blocks=1)),
+    ((2, 64, 1000), 8, torch.float32, dict(vec=4, chunks=4, chunk=256, tiles=16, blocks=2)),
+    ((2, 2048, 3, 7), 1, torch.bfloat16, dict(vec=8, chunks=3, chunk=8, tiles=6, blocks=1)),
+    ((8, 256, 64, 64), 32, torch.bfloat16, dict(vec=8, chunks=16, chunk=256, tiles=512, blocks=4)),
 ]
 
 
@@ -1295,31 +1424,40 @@ def test_gpu_backward_plan_takes_stream_for_large_input():
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     n = max(1, -(-l2 // (64 * 128 * 128 * 4)))
     x = make_input((n, 64, 128, 128), torch.float32, "contiguous", "cuda")
-    assert gn.plan(x, 8, backward=True).startswith("stream contiguous")
+    plan = gn.plan(x, 8, backward=True)
+    assert plan["kernel"] == "stream" and plan["layout"] == "contiguous", plan
     w, b = affine(64, x.dtype, "cuda", "both")
     check_backward(x, 8, w, b, torch.randn_like(x))
     # channels-last: the stream when a unit (64 tiles here) is at most half
     # the grid, and the four launches for units larger than that (256 tiles)
     x_cl = x.to(memory_format=torch.channels_last)
     forced = gn.plan(x_cl, 8, kernel="stream", backward=True)
-    assert " chunks=64 " in forced, forced
-    grid = int(forced.split(" grid=")[1].split()[0])
+    assert forced["chunks"] == 64, forced
+    grid = forced["grid"]
     auto = gn.plan(x_cl, 8, backward=True)
-    assert auto.startswith("stream channels_last vec=4 " if 2 * 64 <= grid else "passes"), auto
+    expected = (dict(kernel="stream", layout="channels_last", vec=4) if 2 * 64 <= grid
+                else dict(kernel="passes"))
+    assert plan_has(auto, expected), (expected, auto)
     check_backward(x_cl, 8, w, b, torch.randn_like(x_cl))
-    assert gn.plan(x[:1], 8, backward=True).startswith("passes")
-    assert gn.plan(x_cl[:1], 8, backward=True).startswith("passes")
+    plan = gn.plan(x[:1], 8, backward=True)
+    assert plan["kernel"] == "passes", plan
+    plan = gn.plan(x_cl[:1], 8, backward=True)
+    assert plan["kernel"] == "passes", plan
     wide_units = make_input((n, 64, 256, 256), torch.float32, "channels_last", "cuda")
-    assert " chunks=256 " in gn.plan(wide_units, 8, kernel="stream", backward=True)
+    forced = gn.plan(wide_units, 8, kernel="stream", backward=True)
+    assert forced["chunks"] == 256, forced
     auto = gn.plan(wide_units, 8, backward=True)
-    assert auto.startswith("stream" if 2 * 256 <= grid else "passes"), auto
+    assert auto["kernel"] == ("stream" if 2 * 256 <= grid else "passes"), auto
     # a row of 256 vectors leaves tiles of 8 rows, whose per-channel pairs
     # would be half the size of x: the four launches
     wide_rows = make_input((max(1, -(-l2 // (2048 * 64 * 2))), 2048, 8, 8), torch.bfloat16,
                            "channels_last", "cuda")
-    assert " chunk=8 " in gn.plan(wide_rows, 1, kernel="stream", backward=True)
-    assert gn.plan(wide_rows, 1, backward=True).startswith("passes")
-    assert gn.plan(x, 8, kernel="passes", backward=True).startswith("passes")
+    forced = gn.plan(wide_rows, 1, kernel="stream", backward=True)
+    assert forced["chunk"] == 8, forced
+    plan = gn.plan(wide_rows, 1, backward=True)
+    assert plan["kernel"] == "passes", plan
+    plan = gn.plan(x, 8, kernel="passes", backward=True)
+    assert plan["kernel"] == "passes", plan
 
 
 @cuda
@@ -1330,18 +1468,25 @@ def test_gpu_backward_kernel_errors_name_the_problem():
     wide = make_input((2, 4096, 2, 2), torch.float32, "channels_last", "cuda")
     with pytest.raises(ValueError, match=r"channels-last input needs C / 4 <= 256, got C = 4096"):
         gn.plan(wide, 1, kernel="stream", backward=True)
-    with pytest.raises(ValueError, match="lag must be"):
-        gn.plan(x, 2, kernel="stream", team=-1, backward=True)
+    with pytest.raises(ValueError, match="lag must be >= 0, got -1"):
+        gn.plan(x, 2, kernel="stream", lag=-1, backward=True)
+    # lag= is the stream kernel's alone
+    for kernel in ("passes", "auto"):
+        with pytest.raises(ValueError, match=re.escape("lag= sets the stream kernel's lag (kernel='stream')")):
+            gn.plan(x, 2, kernel=kernel, lag=4, backward=True)
     ext = gn.load()
-    _, mean, rstd = ext.forward(x, None, None, 2, 1e-5, "auto", 0)
+    _, mean, rstd = ext.forward(x, None, None, 2, 1e-5, "auto", 0, 0)
     with pytest.raises(ValueError, match="stream kernel needs dx wanted"):
         ext.backward(torch.randn_like(x), x, mean, rstd, None, 2, False, True, "stream", 0)
+    with pytest.raises(ValueError, match=re.escape("lag= sets the stream kernel's lag (kernel='stream')")):
+        ext.backward(torch.randn_like(x), x, mean, rstd, None, 2, True, True, "passes", 4)
 
 
 @cuda
 def test_gpu_backward_misaligned_grad_output():
     x = make_input((2, 64, 16, 16), torch.float16, "contiguous", "cuda")
-    assert "vec=8 " in gn.plan(x, 4, backward=True)
+    plan = gn.plan(x, 4, backward=True)
+    assert plan["vec"] == 8, plan
     dy = torch.randn(x.numel() + 1, device="cuda", dtype=x.dtype)[1:].view(x.shape)
     w, b = affine(64, x.dtype, "cuda", "both")
     check_backward(x, 4, w, b, dy)
@@ -1384,7 +1529,7 @@ def test_gpu_backward_with_nothing_wanted_returns_empty_outputs():
     x = make_input((2, 32, 7, 9), torch.float32, "contiguous", "cuda")
     w = torch.randn(32, device="cuda")
     ext = gn.load()
-    _, mean, rstd = ext.forward(x, w, None, 4, 1e-5, "auto", 0)
+    _, mean, rstd = ext.forward(x, w, None, 4, 1e-5, "auto", 0, 0)
     dy = torch.randn_like(x)
     outputs = ext.backward(dy, x, mean, rstd, w, 4, False, False, "auto", 0)
     assert [t.numel() for t in outputs] == [0, 0, 0]
