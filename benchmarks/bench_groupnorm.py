@@ -250,6 +250,24 @@ def run_training_case(name, shape, groups, dtype, layout, copy_bw, budget):
     }
 
 
+# Fields of a plan dict that set its kind apart, in the order plan_summary
+# prints them; ranks and blocks only where more than 1.
+_SUMMARY_FIELDS = ("items", "ranks", "team", "kept", "chunks", "lag", "merge", "blocks")
+
+
+def plan_summary(plan):
+    """A plan dict (gn.plan, forward or backward) in a few words for the
+    progress lines, e.g. "stream vec=4 lag=495 merge=each"; the JSON rows
+    keep the whole dict."""
+    words = [plan["kernel"]] + ([f"vec={plan['vec']}"] if "vec" in plan else [])
+    for name in _SUMMARY_FIELDS:
+        if name not in plan or (name in ("ranks", "blocks") and plan[name] == 1):
+            continue
+        value = f"{plan['kept']}/{plan['slice']}" if name == "kept" else plan[name]
+        words.append(f"{name}={value}")
+    return " ".join(words)
+
+
 def pct(row, provider):
     return 100 * row["floor_ms"] / row["ms"][provider]
 
@@ -375,9 +393,9 @@ def main():
             detail = (f"  backward ours {b['groupnorm_inline']:.4f} eager {b['eager']:.4f} "
                       f"compile {b['compile']:.4f} "
                       f"({100 * row['backward_floor_ms'] / b['groupnorm_inline']:.0f}% of its floor)"
-                      f"  [{row['backward_plan']}]")
+                      f"  [{plan_summary(row['backward_plan'])}]")
         else:
-            detail = f"  err {row['max_abs_err_vs_float64']:.1e}  [{row['plan']}]"
+            detail = f"  err {row['max_abs_err_vs_float64']:.1e}  [{plan_summary(row['plan'])}]"
         print(f"{row['name']:>20} {'x'.join(map(str, row['shape'])):>16} G={row['G']:<3} {row['dtype']:>8} "
               f"{row['layout']:>13}  {'fwd+bwd' if args.training else 'forward'} "
               f"ours {ms['groupnorm_inline']:8.4f}  eager {ms['eager']:8.4f}  "

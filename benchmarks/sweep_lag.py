@@ -1,8 +1,9 @@
 """The stream kernel's lag on this card: the default (the larger of a group's
 pieces and the resident CTAs, plus a quarter of the latter; read at run time)
-against other lags, on the contiguous shapes that take the stream kernel. Forced `kernel="stream"` with `team` = lag in pieces; P = pieces per
-group, R = resident CTAs; % of the one-read-one-write floor at the copy
-bandwidth measured in the same run.
+against other lags, on the contiguous shapes that take the stream kernel.
+Forced `kernel="stream"` with `lag` in pieces; P = pieces per group, R =
+resident CTAs; % of the one-read-one-write floor at the copy bandwidth
+measured in the same run.
 
     python3 benchmarks/sweep_lag.py
 """
@@ -20,10 +21,6 @@ CASES = [((8, 64, 512, 512), 8, torch.float32), ((16, 256, 16000), 16, torch.flo
          ((1, 128, 512, 512), 32, torch.bfloat16), ((2, 512, 16, 64, 64), 32, torch.bfloat16)]
 
 
-def plan_field(text, name):
-    return int(text.split(f" {name}=")[1].split()[0])
-
-
 def main():
     if not torch.cuda.is_available():
         sys.exit("sweep_lag.py: needs a CUDA device, and none is visible")
@@ -34,16 +31,16 @@ def main():
         inputs = bench.make_inputs(shape, dtype, "contiguous", 8 * 2**30)
         x = inputs[0]
         floor_ms = 2 * x.numel() * x.element_size() / copy_bw * 1e3
-        text = gn.plan(x, groups, kernel="stream")
-        pieces, resident = plan_field(text, "pieces"), plan_field(text, "grid")
-        piece_bytes = plan_field(text, "piece") * plan_field(text, "vec") * x.element_size()
-        print(f"{shape} G={groups} {dtype}: {text}")
-        lags = {"default": plan_field(text, "lag"), "max(P,R)": max(pieces, resident),
+        plan = gn.plan(x, groups, kernel="stream")
+        pieces, resident = plan["pieces"], plan["grid"]
+        piece_bytes = plan["piece"] * plan["vec"] * x.element_size()
+        print(f"{shape} G={groups} {dtype}: {plan}")
+        lags = {"default": plan["lag"], "max(P,R)": max(pieces, resident),
                 "P+R": pieces + resident, "P+2R": pieces + 2 * resident,
                 "P+L2/4": pieces + l2 // 4 // piece_bytes}
         for name, lag in lags.items():
             ms = bench.median_ms(bench.rotating(
-                lambda t: gn.groupnorm_cuda(t, None, None, groups, kernel="stream", team=lag), inputs))
+                lambda t: gn.groupnorm_cuda(t, None, None, groups, kernel="stream", lag=lag), inputs))
             print(f"  lag {name:8s} {lag:6d}  {ms:.4f} ms  {100 * floor_ms / ms:5.1f} % of floor")
         del inputs, x
         torch.cuda.empty_cache()
