@@ -45,9 +45,10 @@ _EMBEDDED_SOURCES = None  # replaced by `bundle`
 _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in globals() else None
 # The extension is compiled as separate translation units, in parallel: the
 # host code, the Python module, and each kernel family once per dtype.
-_HOST_UNITS = ["device.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp", "bindings.cpp"]
+_HOST_UNITS = ["device.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp", "autograd.cpp",
+               "bindings.cpp"]
 _KERNEL_UNITS = ["launch_forward_small.cu", "launch_forward_team.cu", "launch_forward_stream.cu",
-                 "launch_backward.cu"]
+                 "launch_forward_stream_channels_last.cu", "launch_backward.cu"]
 _UNIT_DTYPES = {"float": "float", "double": "double", "half": "c10::Half",
                 "bfloat16": "c10::BFloat16"}
 # Everything but the Python module as one translation unit, and the

@@ -1,8 +1,6 @@
-// The Python module: the entry points of ops.h, plans as dicts, and the
-// eager autograd function (autograd.h).
+// The Python module: the entry points of ops.h, with plans as dicts.
 #include <torch/csrc/utils/pybind.h>
 
-#include "autograd.h"
 #include "ops.h"
 
 namespace {

@@ -2,6 +2,7 @@
 // the KernelBench export (load_inline compiles a single CUDA string). The
 // loader instead compiles each file on its own, in parallel, with
 // bindings.cpp as the Python module.
+#include "autograd.cpp"
 #include "device.cpp"
 #include "ops.cpp"
 #include "plan_backward.cpp"
@@ -9,4 +10,5 @@
 #include "launch_backward.cu"
 #include "launch_forward_small.cu"
 #include "launch_forward_stream.cu"
+#include "launch_forward_stream_channels_last.cu"
 #include "launch_forward_team.cu"

@@ -1,21 +1,16 @@
-// Launchers of the stream forward kernels (forward_stream.cuh,
-// forward_stream_channels_last.cuh): the counters (zeroed) and the ring of
-// piece partials in one allocation, then one plain launch.
+// Launcher of the contiguous stream forward (forward_stream.cuh): the
+// counters (zeroed) and the ring of piece partials in one allocation, then
+// one plain launch.
 #include "forward_stream.cuh"
-#include "forward_stream_channels_last.cuh"
 #include "launch.cuh"
 
 namespace groupnorm {
 
 template <typename scalar_t>
-const void* stream_kernel(bool channels_last, int vec) {
+const void* stream_kernel(int vec) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
-    constexpr int V = decltype(v)::value;
-    kernel = channels_last
-                 ? reinterpret_cast<const void*>(
-                       &groupnorm_stream_channels_last_kernel<scalar_t, V, false>)
-                 : reinterpret_cast<const void*>(&groupnorm_stream_kernel<scalar_t, V, false>);
+    kernel = reinterpret_cast<const void*>(&groupnorm_stream_kernel<scalar_t, decltype(v)::value, false>);
   });
   return kernel;
 }
@@ -35,25 +30,6 @@ void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs&
   const StreamOrder order{plan.units * s.pieces, s.lag};
   const LaunchShape shape{plan.grid, plan.threads, plan.smem};
   WorkspaceLayout layout;
-  if (plan.kernel == ForwardKernel::StreamChannelsLast) {
-    const int64_t chunks = (s.pieces + s.chunk - 1) / s.chunk;
-    const int unit_groups = p.G / s.blocks;
-    const StreamCounters counters(layout, plan.units, chunks);
-    const int64_t piece_at = layout.add<A>(s.slots * s.pieces * unit_groups * 2);
-    const int64_t chunk_at = layout.add<A>(s.slots * chunks * unit_groups * 2);
-    uint8_t* base = alloc.allocate(layout.bytes, counters.bytes);
-    const auto piece_partial = reinterpret_cast<A*>(base + piece_at);
-    const auto chunk_partial = reinterpret_cast<A*>(base + chunk_at);
-    with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
-      constexpr int V = decltype(v)::value;
-      launch_kernel(s.each_merges ? &groupnorm_stream_channels_last_kernel<scalar_t, V, true>
-                                  : &groupnorm_stream_channels_last_kernel<scalar_t, V, false>,
-                    shape, stream, x, gamma, beta, y, mean, rstd, piece_partial, chunk_partial,
-                    counters.bind(base), p.HxW, int(p.C), s.blocks, unit_groups, D,
-                    s.rows_per_step, s.pieces, s.chunk, s.slots, order, A(a.eps));
-    });
-    return;
-  }
   const int64_t L = int64_t(D) * p.HxW;
   const StreamCounters counters(layout, plan.units, 1);
   const int64_t partial_at = layout.add<A>(s.slots * s.pieces * 2);
@@ -71,7 +47,7 @@ void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs&
 }
 
 #define GROUPNORM_INSTANTIATE_STREAM(T)                                                  \
-  template const void* stream_kernel<T>(bool, int);                                      \
+  template const void* stream_kernel<T>(int);                                            \
   template void launch_stream<T>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
                                  WorkspaceAllocator&, cudaStream_t);
 GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_STREAM)

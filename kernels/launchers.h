@@ -45,7 +45,9 @@ const void* team_kernel(bool channels_last, int vec);
 template <typename scalar_t>
 const void* registers_kernel(int vec, int items);
 template <typename scalar_t>
-const void* stream_kernel(bool channels_last, int vec);
+const void* stream_kernel(int vec);
+template <typename scalar_t>
+const void* stream_channels_last_kernel(int vec);
 template <typename scalar_t>
 const void* backward_stream_kernel(bool channels_last, int vec);
 
@@ -61,6 +63,9 @@ void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a
 template <typename scalar_t>
 void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                    WorkspaceAllocator& workspace, cudaStream_t stream);
+template <typename scalar_t>
+void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
+                                 WorkspaceAllocator& workspace, cudaStream_t stream);
 template <typename scalar_t>
 void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
                             WorkspaceAllocator& workspace, cudaStream_t stream);

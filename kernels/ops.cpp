@@ -157,8 +157,9 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Ten
       case ForwardKernel::ChannelsLast:
         return launch_team<scalar_t>(plan, c.problem, args, workspace, stream);
       case ForwardKernel::Stream:
-      case ForwardKernel::StreamChannelsLast:
         return launch_stream<scalar_t>(plan, c.problem, args, workspace, stream);
+      case ForwardKernel::StreamChannelsLast:
+        return launch_stream_channels_last<scalar_t>(plan, c.problem, args, workspace, stream);
     }
   });
   return {y, mean, rstd};

@@ -17,6 +17,11 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Ten
                                 const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
                                 const std::string& kernel, int64_t team, int64_t lag);
 
+// forward()'s y, with gradients through backward() for eager autograd
+// (autograd.cpp): the backward runs in C++, without the Python lock.
+at::Tensor forward_autograd(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                            const c10::optional<at::Tensor>& bias, int64_t groups, double eps);
+
 // Returns [dx, dweight, dbias]; each is an empty tensor when not asked for.
 // kernel: "auto", "passes" or "stream"; lag forces the stream kernel's lag.
 std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,

@@ -226,7 +226,7 @@ ForwardPlan stream_contiguous(const Problem& p, int64_t forced_lag) {
   const int64_t items = p.D() * p.HxW / plan.vec;
   const int64_t pieces = (items + s.piece - 1) / s.piece;
   const void* kernel = with_dtype(p.dtype, [&](auto tag) {
-    return stream_kernel<typename decltype(tag)::type>(false, plan.vec);
+    return stream_kernel<typename decltype(tag)::type>(plan.vec);
   });
   plan_stream(plan, p, kernel, pieces, s.piece * plan.vec * p.elem, 1, forced_lag);
   // Every normalise item merges its unit's partials itself when fewer than
@@ -277,7 +277,7 @@ std::optional<ForwardPlan> stream_channels_last(const Problem& p, bool forced,
   s.each_merges = pieces * 2 * G * p.acc * kEachMergeShare <= piece_bytes;
   s.chunk = s.each_merges ? pieces : std::max<int64_t>(1, kChunkPartials / G);
   const void* kernel = with_dtype(p.dtype, [&](auto tag) {
-    return stream_kernel<typename decltype(tag)::type>(true, v);
+    return stream_channels_last_kernel<typename decltype(tag)::type>(v);
   });
   plan_stream(plan, p, kernel, pieces, piece_bytes, s.each_merges ? 1 : kRowsFrontsOnce,
               forced_lag);

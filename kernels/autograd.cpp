@@ -3,8 +3,6 @@
 // autograd.Function would (tens of microseconds per step on small inputs).
 // torch.compile and torch.export use the registered torch.library op instead;
 // both run the same forward() and backward() entry points.
-#pragma once
-
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
 

@@ -1,0 +1,59 @@
+// Launcher of the channels-last stream forward
+// (forward_stream_channels_last.cuh): the counters (zeroed) and the rings of
+// piece and chunk partials in one allocation, then one plain launch.
+#include "forward_stream_channels_last.cuh"
+#include "launch.cuh"
+
+namespace groupnorm {
+
+template <typename scalar_t>
+const void* stream_channels_last_kernel(int vec) {
+  const void* kernel = nullptr;
+  with_vec<scalar_t, 16>(vec, [&](auto v) {
+    kernel = reinterpret_cast<const void*>(
+        &groupnorm_stream_channels_last_kernel<scalar_t, decltype(v)::value, false>);
+  });
+  return kernel;
+}
+
+template <typename scalar_t>
+void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
+                                 WorkspaceAllocator& alloc, cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const StreamConfig& s = plan.stream;
+  const auto x = static_cast<const scalar_t*>(a.x);
+  const auto gamma = static_cast<const scalar_t*>(a.gamma);
+  const auto beta = static_cast<const scalar_t*>(a.beta);
+  const auto y = static_cast<scalar_t*>(a.y);
+  const auto mean = static_cast<A*>(a.mean);
+  const auto rstd = static_cast<A*>(a.rstd);
+  const int D = int(p.D());
+  const StreamOrder order{plan.units * s.pieces, s.lag};
+  const LaunchShape shape{plan.grid, plan.threads, plan.smem};
+  WorkspaceLayout layout;
+  const int64_t chunks = (s.pieces + s.chunk - 1) / s.chunk;
+  const int unit_groups = p.G / s.blocks;
+  const StreamCounters counters(layout, plan.units, chunks);
+  const int64_t piece_at = layout.add<A>(s.slots * s.pieces * unit_groups * 2);
+  const int64_t chunk_at = layout.add<A>(s.slots * chunks * unit_groups * 2);
+  uint8_t* base = alloc.allocate(layout.bytes, counters.bytes);
+  const auto piece_partial = reinterpret_cast<A*>(base + piece_at);
+  const auto chunk_partial = reinterpret_cast<A*>(base + chunk_at);
+  with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    launch_kernel(s.each_merges ? &groupnorm_stream_channels_last_kernel<scalar_t, V, true>
+                                : &groupnorm_stream_channels_last_kernel<scalar_t, V, false>,
+                  shape, stream, x, gamma, beta, y, mean, rstd, piece_partial, chunk_partial,
+                  counters.bind(base), p.HxW, int(p.C), s.blocks, unit_groups, D,
+                  s.rows_per_step, s.pieces, s.chunk, s.slots, order, A(a.eps));
+  });
+}
+
+#define GROUPNORM_INSTANTIATE_STREAM_ROWS(T)                                                      \
+  template const void* stream_channels_last_kernel<T>(int);                                       \
+  template void launch_stream_channels_last<T>(const ForwardPlan&, const Problem&,                \
+                                               const ForwardArgs&, WorkspaceAllocator&, cudaStream_t);
+GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_STREAM_ROWS)
+#undef GROUPNORM_INSTANTIATE_STREAM_ROWS
+
+}  // namespace groupnorm
