@@ -292,7 +292,7 @@ def _check_scalars(caller, num_groups, eps):
     return num_groups, eps
 
 
-def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
+def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, lag=0):
     """GroupNorm of a CUDA tensor by this module's kernels, never by torch,
     forward and backward (autograd; under torch.compile / export through the
     registered op groupnorm_inline::forward).
@@ -313,12 +313,12 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
     if _func_transformed(x, gamma, beta):
         raise ValueError("groupnorm_cuda: torch.func transforms (grad, vmap, ...) are not "
                          "supported; group_norm hands them to torch")
-    if kernel == "auto" and team == 0:
+    if kernel == "auto" and team == 0 and lag == 0:
         return _cuda_forward(x, gamma, beta, groups, eps)
     if torch.compiler.is_compiling() or _needs_grad(x, gamma, beta):
         raise ValueError("groupnorm_cuda: kernel/team overrides are for forward-only eager "
                          "tests: they record no gradients and torch.compile cannot trace them")
-    return load().forward(x, gamma, beta, groups, eps, kernel, team)[0]
+    return load().forward(x, gamma, beta, groups, eps, kernel, team, lag)[0]
 
 
 def _cuda_forward(x, gamma, beta, groups, eps):
@@ -333,15 +333,15 @@ def _cuda_forward(x, gamma, beta, groups, eps):
     return load().forward_autograd(x, gamma, beta, groups, eps)
 
 
-def plan(x, groups, *, kernel="auto", team=0, backward=False):
+def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False):
     """The kernel groupnorm_cuda would run for x, and why, as one line of text.
     With backward=True, the backward's kernel and tiling for x (and a
     grad_output laid out like it, dx wanted); there kernel is "auto",
     "passes" (four launches) or "stream" (one launch; either layout), and
     team forces the stream kernel's lag in tiles."""
     if backward:
-        return load().backward_plan(x, groups, kernel, team)
-    return load().plan(x, groups, kernel, team)
+        return load().backward_plan(x, groups, kernel, lag)
+    return load().plan(x, groups, kernel, team, lag)
 
 
 def _takes_cuda_path(input, weight, bias):
@@ -803,7 +803,7 @@ def self_check():
                 ms = _median_ms(lambda: groupnorm_cuda(x, w, b, groups))
                 eager = _median_ms(lambda: F.group_norm(x, groups, w, b, 1e-5))
                 comp = _median_ms(lambda: compiled(x))
-                kernel = plan(x, groups).split()[0]
+                kernel = plan(x, groups)["kernel"]
                 print(f"{'x'.join(map(str, shape)):>20} {groups:>3} {str(dtype)[6:]:>8} "
                       f"{layout:>13} {kernel:>13} {err:9.2e} {torch_err:9.2e} {ms:8.4f} "
                       f"{eager:8.4f} {comp:8.4f} {eager / ms:7.2f} {comp / ms:7.2f}"
