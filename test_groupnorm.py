@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import groupnorm_inline as gn
+import groupnorm_tools as tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -102,7 +103,7 @@ def describe_mismatch(out, ref, tol):
 
 
 def check_against_reference(x, groups, w, b, eps=1e-5, **force):
-    ref = gn.reference_group_norm(x, groups, w, b, eps)
+    ref = tools.reference_group_norm(x, groups, w, b, eps)
     dense = x.is_contiguous() or channels_last_like(x)
     # A dense input is read in place, so the output is the first allocation;
     # others are copied first, and the copy takes one poisoned block.
@@ -116,9 +117,9 @@ def check_against_reference(x, groups, w, b, eps=1e-5, **force):
         assert y.is_contiguous()
     if x.numel() == 0:
         return y
-    torch_err = gn.max_error(gn.torch_group_norm(x, groups, w, b, eps), ref)
+    torch_err = tools.max_error(tools.torch_group_norm(x, groups, w, b, eps), ref)
     tol = tolerance(x, ref, x.dtype, torch_err, w)
-    err = gn.max_error(y, ref)
+    err = tools.max_error(y, ref)
     assert not y.isnan().any(), describe_mismatch(y, ref, tol)
     assert err <= tol, describe_mismatch(y, ref, tol)
     return y
@@ -324,7 +325,7 @@ def test_sources_inline_every_local_include():
 
 
 def test_bundle_imports_without_kernels_dir(tmp_path):
-    path = gn.bundle(str(tmp_path / "standalone_gn.py"))
+    path = tools.bundle(str(tmp_path / "standalone_gn.py"))
     spec = importlib.util.spec_from_file_location("standalone_gn", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -334,10 +335,37 @@ def test_bundle_imports_without_kernels_dir(tmp_path):
         assert hasattr(module, name), name
     x = torch.randn(2, 8, 3)
     torch.testing.assert_close(module.group_norm(x, 4), F.group_norm(x, 4), rtol=0, atol=0)
+    with open(os.path.join(HERE, "groupnorm_tools.py")) as f:
+        assert module._EMBEDDED_TOOLS == f.read()
+    with open(path) as f:
+        assert module._tools().bundle_source() == f.read()  # a bundle bundles itself
+
+
+def test_bundle_runs_its_command_line_from_the_embedded_tools(tmp_path):
+    # no groupnorm_tools.py and no kernels/ beside the bundle
+    path = tools.bundle(str(tmp_path / "my_groupnorm.py"))
+    env = {**os.environ, "GROUPNORM_INLINE_LAZY": "1"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, path, *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)
+
+    helped = run("--help")
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("usage: my_groupnorm.py"), helped.stdout
+    assert "my_groupnorm.py bundle --kernelbench" in helped.stdout
+    assert "groupnorm_inline.py" not in helped.stdout
+    exported = run("bundle", "--kernelbench", "level1-35", str(tmp_path / "kb35.py"))
+    assert exported.returncode == 0, exported.stderr
+    with open(tmp_path / "kb35.py") as f:
+        assert f.read() == tools.kernelbench_source("level1-35")
+    if not torch.cuda.is_available():
+        checked = run()
+        assert checked.returncode == 0 and "no CUDA device" in checked.stdout, checked.stderr
 
 
 def test_bundle_works_when_exec_from_string(tmp_path):
-    path = gn.bundle(str(tmp_path / "standalone_gn.py"))
+    path = tools.bundle(str(tmp_path / "standalone_gn.py"))
     with open(path) as f:
         text = f.read()
     namespace = {}
@@ -350,10 +378,10 @@ def test_bundle_works_when_exec_from_string(tmp_path):
 
 
 def test_kernelbench_bundle_passes_static_checks(tmp_path):
-    path = gn.bundle(str(tmp_path / "kb35.py"), kernelbench="level1-35")
+    path = tools.bundle(str(tmp_path / "kb35.py"), kernelbench="level1-35")
     with open(path) as f:
         text = f.read()
-    assert gn.kernelbench_problems(text) == []
+    assert tools.kernelbench_problems(text) == []
     assert "__global__" in text and "load_inline" in text
     compile(text, path, "exec")  # valid Python
     for name in ("class ModelNew", "def get_inputs", "def get_init_inputs"):
@@ -368,7 +396,7 @@ def test_kernelbench_bundle_passes_static_checks(tmp_path):
 ])
 def test_static_check_catches_violations(snippet, problem):
     text = "__global__ load_inline\n" + snippet
-    assert any(problem in p for p in gn.kernelbench_problems(text))
+    assert any(problem in p for p in tools.kernelbench_problems(text))
 
 
 def test_cli_bundle_and_help(tmp_path):
@@ -866,7 +894,7 @@ def test_gpu_nan_and_inf_propagate_like_torch(layout):
     x[0, 1, 2, 3] = float("nan")
     x[1, 9, 0, 0] = float("inf")
     y = gn.groupnorm_cuda(x, None, None, 4)
-    expected = gn.torch_group_norm(x, 4, None, None, 1e-5)
+    expected = tools.torch_group_norm(x, 4, None, None, 1e-5)
     assert torch.equal(y.isnan(), expected.isnan())
     finite = ~expected.isnan()
     torch.testing.assert_close(y[finite], expected[finite], rtol=1e-5, atol=1e-5)
@@ -983,13 +1011,13 @@ def test_gpu_second_device():
 def test_gpu_runs_on_current_stream_and_in_cuda_graph():
     x = make_input((2, 64, 128, 128), torch.float32, "contiguous", "cuda")
     w, b = affine(64, torch.float32, "cuda", "both")
-    expected = gn.reference_group_norm(x, 2, w, b, 1e-5)
+    expected = tools.reference_group_norm(x, 2, w, b, 1e-5)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         y = gn.groupnorm_cuda(x, w, b, 2)
     torch.cuda.current_stream().wait_stream(stream)
-    assert gn.max_error(y, expected) < 1e-4
+    assert tools.max_error(y, expected) < 1e-4
     # capture with a multi-CTA team (cooperative launch + workspace memset) and replay
     assert "team=1 " not in gn.plan(x, 2)
     graph = torch.cuda.CUDAGraph()
@@ -1002,7 +1030,7 @@ def test_gpu_runs_on_current_stream_and_in_cuda_graph():
         x.copy_(make_input(x.shape, x.dtype, "contiguous", "cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        assert gn.max_error(captured, gn.reference_group_norm(x, 2, w, b, 1e-5)) < 1e-4
+        assert tools.max_error(captured, tools.reference_group_norm(x, 2, w, b, 1e-5)) < 1e-4
 
 
 # (shape, groups, layout, forced path): one case per forward launch site (the
@@ -1043,9 +1071,9 @@ def test_gpu_waits_for_work_queued_on_a_delayed_stream(shape, groups, layout, fo
 
     def check(y):
         torch.cuda.synchronize()
-        ref = gn.reference_group_norm(x, groups, w, b, 1e-5)
+        ref = tools.reference_group_norm(x, groups, w, b, 1e-5)
         tol = tolerance(x, ref, x.dtype, 0.0, w)
-        assert gn.max_error(y, ref) <= tol, describe_mismatch(y, ref, tol)
+        assert tools.max_error(y, ref) <= tol, describe_mismatch(y, ref, tol)
 
     with torch.cuda.stream(side):
         gn.groupnorm_cuda(x, w, b, groups, **force)  # warm-up: plan and kernel attributes cached
@@ -1134,7 +1162,7 @@ def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, a
     x64 = x.detach().double().requires_grad_(need_dx)
     w64 = w.detach().double().requires_grad_() if w is not None else None
     b64 = b.detach().double().requires_grad_() if b is not None else None
-    ref = gradients(lambda *t: gn.reference_group_norm(t[0], groups, t[1], t[2], 1e-5),
+    ref = gradients(lambda *t: tools.reference_group_norm(t[0], groups, t[1], t[2], 1e-5),
                     x64, w64, b64, dy.double())
     theirs = gradients(lambda *t: F.group_norm(t[0], groups, *weight_for_torch(t[0], t[1], t[2])),
                        x.detach().requires_grad_(need_dx), *(t.detach().requires_grad_() if t is not None else None
@@ -1147,8 +1175,8 @@ def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, a
             continue
         assert mine.shape == r.shape and mine.dtype == x.dtype, name
         scale = r.abs().max().item() + 1e-30
-        err = gn.max_error(mine, r)
-        torch_err = gn.max_error(t, r)
+        err = tools.max_error(mine, r)
+        torch_err = tools.max_error(t, r)
         eps = torch.finfo(x.dtype).eps
         # dx = rstd * (g - mean(g) - ...) cancels terms of size rstd * |g| in the
         # accumulation type (float32 for half types): a group of one value
@@ -1546,11 +1574,11 @@ def test_gpu_group_norm_and_module_take_cuda_path_and_match_torch(monkeypatch):
     layer.weight.data.normal_()
     reference.load_state_dict(layer.state_dict())
     with torch.no_grad():
-        ref = gn.reference_group_norm(x, 8, layer.weight, layer.bias, 1e-5)
-        torch_err = gn.max_error(reference(x), ref)
+        ref = tools.reference_group_norm(x, 8, layer.weight, layer.bias, 1e-5)
+        torch_err = tools.max_error(reference(x), ref)
         forbid_torch_group_norm(monkeypatch)
         out = layer(x)
-    assert gn.max_error(out, ref) <= tolerance(x, ref, x.dtype, torch_err, layer.weight)
+    assert tools.max_error(out, ref) <= tolerance(x, ref, x.dtype, torch_err, layer.weight)
     assert out.is_contiguous(memory_format=torch.channels_last)
     # with gradients too, both entry points record this module's backward
     x32 = make_input((2, 8, 5, 5), torch.float32, "contiguous", "cuda").requires_grad_()
@@ -1637,18 +1665,18 @@ def test_gpu_backward_more_than_2_31_elements():
 
 @cuda
 def test_gpu_bundles_run(tmp_path):
-    path = gn.bundle(str(tmp_path / "standalone_gpu.py"))
+    path = tools.bundle(str(tmp_path / "standalone_gpu.py"))
     namespace = {}
     with open(path) as f:
         exec(compile(f.read(), "<string>", "exec"), namespace)
     x = make_input((2, 32, 12, 12), torch.float16, "channels_last", "cuda")
-    ref = gn.reference_group_norm(x, 4, None, None, 1e-5)
-    torch_err = gn.max_error(gn.torch_group_norm(x, 4, None, None, 1e-5), ref)
+    ref = tools.reference_group_norm(x, 4, None, None, 1e-5)
+    torch_err = tools.max_error(tools.torch_group_norm(x, 4, None, None, 1e-5), ref)
     y, landed = poisoned(lambda: namespace["groupnorm_cuda"](x, None, None, 4), x)
     assert landed and not y.isnan().any()
-    assert gn.max_error(y, ref) <= tolerance(x, ref, x.dtype, torch_err, None)
+    assert tools.max_error(y, ref) <= tolerance(x, ref, x.dtype, torch_err, None)
 
-    kb_path = gn.bundle(str(tmp_path / "kb35_gpu.py"), kernelbench="level1-35")
+    kb_path = tools.bundle(str(tmp_path / "kb35_gpu.py"), kernelbench="level1-35")
     kb = {}
     with open(kb_path) as f:
         exec(compile(f.read(), "<string>", "exec"), kb)
