@@ -31,8 +31,8 @@ from torch import nn
 
 __version__ = "0.1.0"
 __all__ = [
-    "GroupNorm", "ModelNew", "group_norm", "groupnorm_cuda", "replace_groupnorm",
-    "get_inputs", "get_init_inputs", "load", "plan",
+    "GroupNorm", "group_norm", "groupnorm_cuda", "replace_groupnorm", "plan",
+    "load", "sources", "extension_name",
 ]
 
 # ---------------------------------------------------------------------------
@@ -468,29 +468,6 @@ def replace_groupnorm(model):
         else:
             replace_groupnorm(child)
     return model
-
-
-# KernelBench level 1, problem 35: Model holds self.gn = nn.GroupNorm(...).
-batch_size, features, num_groups, dim1, dim2 = 112, 64, 8, 512, 512
-
-
-class ModelNew(nn.Module):
-    """KernelBench level-1 #35 replacement: same state_dict keys as the reference."""
-
-    def __init__(self, num_features: int, num_groups: int):
-        super().__init__()
-        self.gn = GroupNorm(num_groups=num_groups, num_channels=num_features)
-
-    def forward(self, x):
-        return self.gn(x)
-
-
-def get_inputs():
-    return [torch.rand(batch_size, features, dim1, dim2)]
-
-
-def get_init_inputs():
-    return [features, num_groups]
 
 
 def _tools():
