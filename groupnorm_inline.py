@@ -220,17 +220,20 @@ def _check_scalars(caller, num_groups, eps):
     return num_groups, eps
 
 
-def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
+def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, lag=0):
     """GroupNorm of a CUDA tensor by this module's kernels, never by torch,
     forward and backward (autograd; under torch.compile / export through the
     registered op groupnorm_inline::forward).
 
     x: (N, C, *) float32/float16/bfloat16/float64 on a CUDA device; gamma, beta:
     (C,) tensors of x's dtype and device, or None. Returns a new tensor in x's
-    dtype and memory format. `kernel` ("auto", "reference", "registers" and
-    "stream" (either layout), "contiguous", "channels_last") and `team` (CTAs
-    per unit; for "stream", pieces of lag; 0 = automatic) force a path, for
-    tests and tuning.
+    dtype and memory format.
+
+    For tests and tuning (forward only, eager only; 0 = automatic):
+    `kernel` forces a kernel: "auto", "reference", "registers", "contiguous",
+    "channels_last" or "stream" (either layout); `team` the CTAs per unit of
+    the team kernels ("contiguous", "channels_last"); `lag` the stream
+    kernels' lag in pieces.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"groupnorm_cuda: x must be a torch.Tensor, got {type(x).__name__}")
@@ -241,12 +244,12 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0):
     if _func_transformed(x, gamma, beta):
         raise ValueError("groupnorm_cuda: torch.func transforms (grad, vmap, ...) are not "
                          "supported; group_norm hands them to torch")
-    if kernel == "auto" and team == 0:
+    if kernel == "auto" and team == 0 and lag == 0:
         return _cuda_forward(x, gamma, beta, groups, eps)
     if torch.compiler.is_compiling() or _needs_grad(x, gamma, beta):
-        raise ValueError("groupnorm_cuda: kernel/team overrides are for forward-only eager "
+        raise ValueError("groupnorm_cuda: kernel/team/lag overrides are for forward-only eager "
                          "tests: they record no gradients and torch.compile cannot trace them")
-    return load().forward(x, gamma, beta, groups, eps, kernel, team)[0]
+    return load().forward(x, gamma, beta, groups, eps, kernel, team, lag)[0]
 
 
 def _cuda_forward(x, gamma, beta, groups, eps):
@@ -257,19 +260,26 @@ def _cuda_forward(x, gamma, beta, groups, eps):
     if torch.compiler.is_compiling():
         return torch.ops.groupnorm_inline.forward(x, gamma, beta, groups, eps)[0]
     if not _needs_grad(x, gamma, beta):
-        return load().forward(x, gamma, beta, groups, eps, "auto", 0)[0]
+        return load().forward(x, gamma, beta, groups, eps, "auto", 0, 0)[0]
     return load().forward_autograd(x, gamma, beta, groups, eps)
 
 
-def plan(x, groups, *, kernel="auto", team=0, backward=False):
-    """The kernel groupnorm_cuda would run for x, and why, as one line of text.
+def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False):
+    """The kernel groupnorm_cuda would run for x with these forcing arguments
+    (see groupnorm_cuda), its parameters, and why: a dict, as the extension
+    returns it.
+
     With backward=True, the backward's kernel and tiling for x (and a
-    grad_output laid out like it, dx wanted); there kernel is "auto",
-    "passes" (four launches) or "stream" (one launch; either layout), and
-    team forces the stream kernel's lag in tiles."""
+    grad_output laid out like it, dx wanted): there kernel is "auto",
+    "passes" (four launches) or "stream" (one launch; either layout), lag
+    the stream kernel's lag in tiles, and there is no team.
+    """
     if backward:
-        return load().backward_plan(x, groups, kernel, team)
-    return load().plan(x, groups, kernel, team)
+        if team:
+            raise ValueError(f"plan: the backward has no teams, got team={team} "
+                             "(its stream kernel's lag is `lag`)")
+        return load().backward_plan(x, groups, kernel, lag)
+    return load().plan(x, groups, kernel, team, lag)
 
 
 def _takes_cuda_path(input, weight, bias):
@@ -361,7 +371,7 @@ def _stat_dtype(x):
 
 def _forward_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                   groups: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, mean, rstd = load().forward(x, weight, bias, groups, eps, "auto", 0)
+    y, mean, rstd = load().forward(x, weight, bias, groups, eps, "auto", 0, 0)
     return y, mean, rstd
 
 

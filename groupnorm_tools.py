@@ -104,8 +104,8 @@ def get_init_inputs():
 """
 
 # The solution's call of the extension's forward, whose C++ signature is
-# forward(x, weight, bias, groups, eps, kernel, team): the automatic choice.
-KERNELBENCH_FORWARD = '_extension.forward(x, self.weight, self.bias, self.num_groups, self.eps, "auto", 0)[0]'
+# forward(x, weight, bias, groups, eps, kernel, team, lag): the automatic choice.
+KERNELBENCH_FORWARD = '_extension.forward(x, self.weight, self.bias, self.num_groups, self.eps, "auto", 0, 0)[0]'
 
 
 def _strip_line_comments(code):

@@ -86,6 +86,15 @@ def tolerance(x, ref, dtype, torch_err, weight):
     return 1.1 * torch_err + 0.5 * eps * ref.abs().max().item()
 
 
+class PretendCuda(torch.Tensor):
+    """A CPU tensor that says it is on a GPU: CPU tests reach the Python side
+    of the CUDA path with it (the extension stood in for, or never reached)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
 def forbid_torch_group_norm(monkeypatch):
     """Makes F.group_norm, this module's only way to torch's GroupNorm, raise:
     a test that calls it afterwards passes only through this module's kernels."""
@@ -228,6 +237,40 @@ def test_groupnorm_cuda_rejects_cpu_tensor():
         gn.groupnorm_cuda(torch.randn(2, 4, 3), None, None, 2)
 
 
+def test_forcing_arguments_reach_the_extension(monkeypatch):
+    # kernel, team (team kernels) and lag (stream kernels) go to the
+    # extension's forward, plan and backward_plan, each in its own place
+    calls = []
+
+    class Extension:
+        def forward(self, x, weight, bias, groups, eps, kernel, team, lag):
+            calls.append(("forward", kernel, team, lag))
+            return x.clone(), None, None
+
+        def plan(self, x, groups, kernel, team, lag):
+            calls.append(("plan", kernel, team, lag))
+            return {"kernel": "contiguous"}
+
+        def backward_plan(self, x, groups, kernel, lag):
+            calls.append(("backward_plan", kernel, lag))
+            return {"kernel": "stream"}
+
+    monkeypatch.setattr(gn, "load", Extension)
+    x = torch.randn(2, 8, 4).as_subclass(PretendCuda)
+    gn.groupnorm_cuda(x, None, None, 2)
+    gn.groupnorm_cuda(x, None, None, 2, kernel="contiguous", team=3)
+    gn.groupnorm_cuda(x, None, None, 2, kernel="stream", lag=5)
+    assert gn.plan(x, 2, kernel="channels_last", team=4) == {"kernel": "contiguous"}
+    assert gn.plan(x, 2, kernel="stream", lag=7, backward=True) == {"kernel": "stream"}
+    assert calls == [("forward", "auto", 0, 0), ("forward", "contiguous", 3, 0),
+                     ("forward", "stream", 0, 5), ("plan", "channels_last", 4, 0),
+                     ("backward_plan", "stream", 7)]
+    with pytest.raises(ValueError, match="the backward has no teams"):
+        gn.plan(x, 2, team=2, backward=True)
+    with pytest.raises(ValueError, match="no gradients"):
+        gn.groupnorm_cuda(x.detach().requires_grad_(), None, None, 2, kernel="stream", lag=5)
+
+
 def test_module_matches_nn_groupnorm():
     ours, theirs = gn.GroupNorm(4, 12, eps=1e-3), nn.GroupNorm(4, 12, eps=1e-3)
     assert isinstance(ours, nn.GroupNorm)
@@ -290,8 +333,8 @@ def test_kernelbench_solution_contract_on_cpu(monkeypatch):
     calls = []
 
     class Extension:
-        def forward(self, x, weight, bias, groups, eps, *knobs):
-            calls.append(knobs)
+        def forward(self, x, weight, bias, groups, eps, kernel, team, lag):
+            calls.append((kernel, team, lag))
             return F.group_norm(x, groups, weight, bias, eps), None, None
 
     monkeypatch.setattr(cpp_extension, "load_inline", lambda **kwargs: Extension())
@@ -312,7 +355,7 @@ def test_kernelbench_solution_contract_on_cpu(monkeypatch):
     assert list(new.state_dict()) == list(ref.state_dict())
     x = torch.rand(2, 64, 8, 8)
     torch.testing.assert_close(new(x), ref(x), rtol=0, atol=0)
-    assert calls == [("auto", 0)]
+    assert calls == [("auto", 0, 0)]
 
 
 def test_library_namespace_is_the_api():
@@ -898,7 +941,7 @@ def test_gpu_sample_larger_than_on_chip_memory(dtype, shift):
 @cuda
 def test_gpu_team_result_is_deterministic():
     x = make_input((2, 64, 128, 128), torch.float32, "contiguous", "cuda")
-    for force in (dict(team=9), dict(kernel="stream", team=1)):
+    for force in (dict(team=9), dict(kernel="stream", lag=1)):
         first = gn.groupnorm_cuda(x, None, None, 4, **force)
         for _ in range(5):
             assert torch.equal(gn.groupnorm_cuda(x, None, None, 4, **force), first), force
@@ -1391,7 +1434,7 @@ def test_gpu_backward_kernel_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"channels-last input needs C / 4 <= 256, got C = 4096"):
         gn.plan(wide, 1, kernel="stream", backward=True)
     with pytest.raises(ValueError, match="lag must be"):
-        gn.plan(x, 2, kernel="stream", team=-1, backward=True)
+        gn.plan(x, 2, kernel="stream", lag=-1, backward=True)
     ext = gn.load()
     _, mean, rstd = ext.forward(x, None, None, 2, 1e-5, "auto", 0)
     with pytest.raises(ValueError, match="stream kernel needs dx wanted"):

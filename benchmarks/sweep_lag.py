@@ -1,6 +1,6 @@
 """The stream kernel's lag on this card: the default (the larger of a group's
 pieces and the resident CTAs, plus a quarter of the latter; read at run time)
-against other lags, on the contiguous shapes that take the stream kernel. Forced `kernel="stream"` with `team` = lag in pieces; P = pieces per
+against other lags, on the contiguous shapes that take the stream kernel. Forced `kernel="stream"` with `lag` in pieces; P = pieces per
 group, R = resident CTAs; % of the one-read-one-write floor at the copy
 bandwidth measured in the same run.
 
@@ -43,7 +43,7 @@ def main():
                 "P+L2/4": pieces + l2 // 4 // piece_bytes}
         for name, lag in lags.items():
             ms = bench.median_ms(bench.rotating(
-                lambda t: gn.groupnorm_cuda(t, None, None, groups, kernel="stream", team=lag), inputs))
+                lambda t: gn.groupnorm_cuda(t, None, None, groups, kernel="stream", lag=lag), inputs))
             print(f"  lag {name:8s} {lag:6d}  {ms:.4f} ms  {100 * floor_ms / ms:5.1f} % of floor")
         del inputs, x
         torch.cuda.empty_cache()
