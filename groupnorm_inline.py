@@ -32,7 +32,7 @@ from torch import nn
 __version__ = "0.1.0"
 __all__ = [
     "GroupNorm", "group_norm", "groupnorm_cuda", "replace_groupnorm", "plan",
-    "load", "sources", "extension_name",
+    "GroupNormError", "load", "sources", "extension_name",
 ]
 
 # ---------------------------------------------------------------------------
@@ -204,20 +204,114 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
+class GroupNormError(ValueError, RuntimeError):
+    """A bad argument to group_norm, GroupNorm, groupnorm_cuda or plan; the
+    message names it and its value. A ValueError, as this module's errors
+    were, and a RuntimeError, as most of torch's for the same mistakes are;
+    where torch raises another type for a mistake, also that type: a
+    TypeError for an argument of the wrong type, NotImplementedError for an
+    input dtype without a kernel, ZeroDivisionError for num_groups = 0,
+    AttributeError for an input that is not a tensor. So code written
+    against torch catches it, on either device."""
+
+
+class _WrongType(GroupNormError, TypeError):
+    """An argument of the wrong type (torch: TypeError)."""
+
+
+class _UnsupportedDtype(_WrongType, NotImplementedError):
+    """An input dtype without a kernel (torch: NotImplementedError)."""
+
+
+class _NotATensor(_WrongType, AttributeError):
+    """An input that is not a tensor (torch: AttributeError, from input.dim())."""
+
+
+class _ZeroGroups(GroupNormError, ZeroDivisionError):
+    """num_groups = 0 (torch: ZeroDivisionError, from C // num_groups)."""
+
+
+def _integral(value):
+    """An int for num_groups, as torch takes it: Python and numpy integers and
+    0-d integer tensors, not bools."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
+                                         or value.dtype == torch.bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value):
+    """A float for eps: Python and numpy reals and 0-d real tensors, not bools."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not (value.is_complex() or value.dtype == torch.bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _type_name(value):
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__
+
+
 def _check_scalars(caller, num_groups, eps):
-    """(num_groups, eps) as int and float. Like nn.GroupNorm, any integral and
-    real number is taken (numpy scalars included), bools are not."""
+    """(num_groups, eps) as int and float (torch.compile traces plain Python
+    numbers)."""
     if type(num_groups) is not int:
-        if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
-            raise TypeError(f"{caller}: num_groups must be an int, got {type(num_groups).__name__}")
+        if not _integral(num_groups):
+            raise _WrongType(f"{caller}: num_groups must be an int, got {_type_name(num_groups)}")
         num_groups = int(num_groups)
     if type(eps) is not float:
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-            raise TypeError(f"{caller}: eps must be a float, got {type(eps).__name__}")
+        if not _real(eps):
+            raise _WrongType(f"{caller}: eps must be a float, got {_type_name(eps)}")
         eps = float(eps)
     if not (eps >= 0 and eps != float("inf")):
-        raise ValueError(f"{caller}: eps must be finite and >= 0, got {eps}")
+        raise GroupNormError(f"{caller}: eps must be finite and >= 0, got {eps}")
     return num_groups, eps
+
+
+def _check_arguments(caller, input, num_groups, weight, bias, eps):
+    """(num_groups, eps) as int and float, once the arguments pass the checks
+    of torch's group_norm, in Python for either device, so that a mistake
+    raises the same error type on CPU and GPU."""
+    if not isinstance(input, torch.Tensor):
+        raise _NotATensor(f"{caller}: input must be a torch.Tensor, got {type(input).__name__}")
+    num_groups, eps = _check_scalars(caller, num_groups, eps)
+    if input.dim() < 2:
+        raise GroupNormError(f"{caller}: input must have shape (N, C, *), got {tuple(input.shape)}")
+    C = input.shape[1]
+    if num_groups <= 0 or C % num_groups:
+        error = _ZeroGroups if num_groups == 0 else GroupNormError
+        raise error(f"{caller}: num_channels ({C}) must be divisible by a positive num_groups "
+                    f"({num_groups})")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise _WrongType(f"{caller}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.shape != (C,):
+            raise GroupNormError(f"{caller}: {name} must have shape [{C}] (one value per channel), "
+                                 f"got {list(t.shape)}")
+    if input.dtype not in _FLOAT_DTYPES:
+        raise _UnsupportedDtype(f"{caller}: input dtype must be float32, float16, bfloat16 or "
+                                f"float64, got {input.dtype}")
+    return num_groups, eps
+
+
+def _check_cuda_arguments(caller, x, groups, weight, bias, eps):
+    """_check_arguments, then what this module's kernels need beyond torch:
+    x on a GPU, weight and bias of its dtype and on its device."""
+    groups, eps = _check_arguments(caller, x, groups, weight, bias, eps)
+    if not x.is_cuda:
+        raise GroupNormError(f"{caller}: x must be a CUDA tensor, got one on {x.device}; "
+                             "group_norm() also takes CPU tensors")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise _WrongType(f"{caller}: {name} dtype must be x's ({x.dtype}), got {t.dtype}; "
+                             "group_norm() takes mixed dtypes")
+        if t is not None and t.device != x.device:
+            raise GroupNormError(f"{caller}: {name} must be on x's device ({x.device}), got one "
+                                 f"on {t.device}")
+    return groups, eps
 
 
 def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, lag=0):
@@ -235,20 +329,16 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     the team kernels ("contiguous", "channels_last"); `lag` the stream
     kernels' lag in pieces.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"groupnorm_cuda: x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_cuda:
-        raise ValueError(f"groupnorm_cuda: x must be a CUDA tensor, got one on {x.device}; "
-                         "group_norm() also takes CPU tensors")
-    groups, eps = _check_scalars("groupnorm_cuda", groups, eps)
+    groups, eps = _check_cuda_arguments("groupnorm_cuda", x, groups, gamma, beta, eps)
     if _func_transformed(x, gamma, beta):
-        raise ValueError("groupnorm_cuda: torch.func transforms (grad, vmap, ...) are not "
-                         "supported; group_norm hands them to torch")
+        raise GroupNormError("groupnorm_cuda: torch.func transforms (grad, vmap, ...) are not "
+                             "supported; group_norm hands them to torch")
     if kernel == "auto" and team == 0 and lag == 0:
         return _cuda_forward(x, gamma, beta, groups, eps)
     if torch.compiler.is_compiling() or _needs_grad(x, gamma, beta):
-        raise ValueError("groupnorm_cuda: kernel/team/lag overrides are for forward-only eager "
-                         "tests: they record no gradients and torch.compile cannot trace them")
+        raise GroupNormError("groupnorm_cuda: kernel/team/lag overrides are for forward-only "
+                             "eager tests: they record no gradients and torch.compile cannot "
+                             "trace them")
     return load().forward(x, gamma, beta, groups, eps, kernel, team, lag)[0]
 
 
@@ -274,16 +364,17 @@ def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False):
     "passes" (four launches) or "stream" (one launch; either layout), lag
     the stream kernel's lag in tiles, and there is no team.
     """
+    groups, _ = _check_cuda_arguments("plan", x, groups, None, None, 0.0)
     if backward:
         if team:
-            raise ValueError(f"plan: the backward has no teams, got team={team} "
-                             "(its stream kernel's lag is `lag`)")
+            raise GroupNormError(f"plan: the backward has no teams, got team={team} "
+                                 "(its stream kernel's lag is `lag`)")
         return load().backward_plan(x, groups, kernel, lag)
     return load().plan(x, groups, kernel, team, lag)
 
 
 def _takes_cuda_path(input, weight, bias):
-    if not input.is_cuda or input.dtype not in _FLOAT_DTYPES or _func_transformed(input, weight, bias):
+    if not input.is_cuda or _func_transformed(input, weight, bias):
         return False
     for t in (weight, bias):
         if t is not None and (t.dtype != input.dtype or t.device != input.device):
@@ -316,33 +407,20 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     Gradients of gradients are not supported: backward through the gradient
     raises and names torch's group_norm as the way out. CPU tensors, and
     weight/bias of another dtype or device than the input, go to torch. Under
-    CUDA autocast the op runs in float32, as torch's does.
+    CUDA autocast the op runs in float32, as torch's does. A bad argument
+    raises GroupNormError, which is also the type torch raises for it.
     """
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"group_norm: input must be a torch.Tensor, got {type(input).__name__}")
-    num_groups, eps = _check_scalars("group_norm", num_groups, eps)
+    num_groups, eps = _check_arguments("group_norm", input, num_groups, weight, bias, eps)
+    if _single_value_per_channel(input, num_groups):
+        raise GroupNormError("group_norm: expected more than 1 value per channel, got input of "
+                             f"size {list(input.shape)}")
     if input.is_cuda and torch.is_autocast_enabled("cuda"):
         # torch's float32 autocast policy: half-precision tensors become
         # float32, float64 ones stay as they are
         input, weight, bias = (t.float() if t is not None and t.dtype in _HALF_DTYPES else t
                                for t in (input, weight, bias))
-    if (input.dim() >= 2 and num_groups > 0 and input.shape[1] % num_groups == 0
-            and _single_value_per_channel(input, num_groups)):
-        raise ValueError("group_norm: expected more than 1 value per channel, got input of "
-                         f"size {list(input.shape)}")
     if _takes_cuda_path(input, weight, bias):
         return _cuda_forward(input, weight, bias, num_groups, eps)
-    if not (input.is_floating_point() and input.dtype in _FLOAT_DTYPES):
-        raise TypeError(f"group_norm: input dtype must be floating point, got {input.dtype}")
-    if input.dim() < 2:
-        raise ValueError(f"group_norm: input must have shape (N, C, *), got {tuple(input.shape)}")
-    if num_groups <= 0 or input.shape[1] % num_groups:
-        raise ValueError(f"group_norm: num_channels ({input.shape[1]}) must be divisible by "
-                         f"a positive num_groups ({num_groups})")
-    for name, t in (("weight", weight), ("bias", bias)):  # torch's own error is a RuntimeError
-        if t is not None and tuple(t.shape) != (input.shape[1],):
-            raise ValueError(f"group_norm: {name} must have shape [{input.shape[1]}] (one value "
-                             f"per channel), got {list(t.shape)}")
     return F.group_norm(input, num_groups, weight, bias, eps)
 
 
@@ -449,8 +527,8 @@ class GroupNorm(nn.GroupNorm):
     state_dict; forward runs group_norm() above."""
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None):
-        # numpy scalars become int and float here: torch.compile traces
-        # plain Python numbers
+        # numpy scalars and 0-d tensors become int and float here:
+        # torch.compile traces plain Python numbers
         num_groups, eps = _check_scalars("GroupNorm", num_groups, eps)
         super().__init__(num_groups, num_channels, eps, affine, device, dtype)
 
