@@ -17,6 +17,7 @@ Command line (run by groupnorm_tools.py, which a bundle embeds):
 import glob
 import hashlib
 import importlib.util
+import inspect
 import numbers
 import os
 import re
@@ -522,22 +523,35 @@ def _register_ops():
 _register_ops()
 
 
-class GroupNorm(nn.GroupNorm):
-    """Drop-in nn.GroupNorm: same constructor, parameters, init, repr and
-    state_dict; forward runs group_norm() above."""
+# torch 2.14 added nn.GroupNorm's bias argument; with an older torch,
+# GroupNorm drops the bias parameter itself, as 2.14 does.
+_TORCH_GROUPNORM_TAKES_BIAS = "bias" in inspect.signature(nn.GroupNorm.__init__).parameters
 
-    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None):
+
+class GroupNorm(nn.GroupNorm):
+    """Drop-in nn.GroupNorm: same constructor (bias=False included, with any
+    torch), parameters, init, repr and state_dict; forward runs group_norm()
+    above."""
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None,
+                 *, bias=True):
         # numpy scalars and 0-d tensors become int and float here:
         # torch.compile traces plain Python numbers
         num_groups, eps = _check_scalars("GroupNorm", num_groups, eps)
-        super().__init__(num_groups, num_channels, eps, affine, device, dtype)
+        if _TORCH_GROUPNORM_TAKES_BIAS:
+            super().__init__(num_groups, num_channels, eps, affine, device, dtype, bias=bias)
+        else:
+            super().__init__(num_groups, num_channels, eps, affine, device, dtype)
+            if not bias:
+                self.register_parameter("bias", None)
 
     def forward(self, input):
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
 
 
 def _converted(module):
-    new = GroupNorm(module.num_groups, module.num_channels, module.eps, module.affine, device="meta")
+    new = GroupNorm(module.num_groups, module.num_channels, module.eps, module.affine, device="meta",
+                    bias=module.bias is not None)
     new.weight = module.weight  # the same Parameter objects: device, dtype and
     new.bias = module.bias      # optimizer state all carry over
     new.train(module.training)

@@ -7,6 +7,7 @@ the output will occupy before every call.
 """
 
 import importlib.util
+import inspect
 import math
 import os
 import re
@@ -356,6 +357,33 @@ def test_module_matches_nn_groupnorm():
     torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
 
 
+def test_module_takes_every_nn_groupnorm_argument():
+    theirs = inspect.signature(nn.GroupNorm.__init__).parameters
+    ours = inspect.signature(gn.GroupNorm.__init__).parameters
+    for name, parameter in theirs.items():
+        assert name in ours, name
+        assert (ours[name].kind, ours[name].default) == (parameter.kind, parameter.default), name
+
+
+@pytest.mark.parametrize("torch_takes_bias", [True, False], ids=["torch-bias", "older-torch"])
+def test_module_without_bias(torch_takes_bias, monkeypatch):
+    # older torch (no bias argument): GroupNorm drops the parameter itself
+    monkeypatch.setattr(gn, "_TORCH_GROUPNORM_TAKES_BIAS", torch_takes_bias)
+    ours, theirs = gn.GroupNorm(3, 6, bias=False), nn.GroupNorm(3, 6, bias=False)
+    assert ours.bias is None and list(ours.state_dict()) == ["weight"]
+    assert repr(ours).replace("GroupNorm", "") == repr(theirs).replace("GroupNorm", "")
+    x = torch.randn(2, 6, 5)
+    theirs.weight.data.normal_()
+    ours.load_state_dict(theirs.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+    ours.weight.data.normal_()
+    theirs.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="bias"):  # as nn.GroupNorm: the keys must match
+        ours.load_state_dict(nn.GroupNorm(3, 6).state_dict())
+    assert gn.GroupNorm(3, 6, affine=False, bias=False).weight is None
+
+
 def test_module_dtype_and_device_arguments():
     m = gn.GroupNorm(2, 4, dtype=torch.float64)
     assert m.weight.dtype == torch.float64
@@ -365,7 +393,8 @@ def test_module_dtype_and_device_arguments():
 
 def test_replace_groupnorm_keeps_parameters():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8),
-                          nn.Sequential(nn.ReLU(), nn.GroupNorm(4, 8, affine=False)))
+                          nn.Sequential(nn.ReLU(), nn.GroupNorm(4, 8, affine=False)),
+                          nn.GroupNorm(2, 8, bias=False))
     model[1].weight.data.normal_()
     weight = model[1].weight
     x = torch.randn(2, 3, 9, 9)
@@ -375,6 +404,8 @@ def test_replace_groupnorm_keeps_parameters():
     assert type(model[1]) is gn.GroupNorm and type(model[2][1]) is gn.GroupNorm
     assert model[1].weight is weight
     assert model[2][1].weight is None
+    assert type(model[3]) is gn.GroupNorm and model[3].bias is None and model[3].weight is not None
+    assert list(model[3].state_dict()) == ["weight"] and "bias=False" in repr(model[3])
     torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
     single = gn.replace_groupnorm(nn.GroupNorm(2, 4))
     assert type(single) is gn.GroupNorm
