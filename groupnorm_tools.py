@@ -41,6 +41,10 @@ def _lib():
 # Bundles: one file to copy into a project, or a KernelBench solution
 # ---------------------------------------------------------------------------
 
+# The first line of every file that `bundle` writes: it overwrites no other
+# file unless forced.
+BUNDLE_MARKER = "# Written by groupnorm_inline's `bundle` command, which may overwrite this file."
+
 # The library's lines that a bundle replaces (split: they match only there).
 _SOURCES_MARKER = "_EMBEDDED_SOURCES = None  # " + "replaced by `bundle`"
 _TOOLS_MARKER = "_EMBEDDED_TOOLS = None  # " + "replaced by `bundle`"
@@ -165,7 +169,11 @@ def kernelbench_source(problem="level1-35"):
     problems = kernelbench_problems(text)
     if problems:
         raise RuntimeError(f"KernelBench bundle would be rejected: {', '.join(problems)}")
-    return text
+    return _marked(text)
+
+
+def _marked(text):
+    return text if text.startswith(BUNDLE_MARKER + "\n") else BUNDLE_MARKER + "\n" + text
 
 
 def _read(path):
@@ -183,20 +191,35 @@ def bundle_source():
         raise RuntimeError("bundle: needs the module's file; exec'd text cannot copy itself")
     text = _read(path)
     if lib._EMBEDDED_SOURCES is not None:
-        return text  # already standalone
+        return _marked(text)  # already standalone
     for marker in (_SOURCES_MARKER, _TOOLS_MARKER):
         if text.count(marker) != 1:
             raise RuntimeError(f"bundle: the line {marker!r} is not in the module exactly once")
     kernels = "".join(f"    {name!r}: {_raw_literal(lib._read_source(name))},\n"
                       for name in lib._kernel_files())
     text = text.replace(_SOURCES_MARKER, "_EMBEDDED_SOURCES = {\n" + kernels + "}")
-    return text.replace(_TOOLS_MARKER, "_EMBEDDED_TOOLS = " + _raw_literal(_read(__file__)))
+    text = text.replace(_TOOLS_MARKER, "_EMBEDDED_TOOLS = " + _raw_literal(_read(__file__)))
+    return _marked(text)
 
 
-def bundle(path, kernelbench=None):
+def _is_bundle(path):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.readline().rstrip("\r\n") == BUNDLE_MARKER
+
+
+def bundle(path, kernelbench=None, force=False):
     """Writes a standalone copy of the library (or, with kernelbench, a
-    KernelBench solution file) to `path`."""
+    KernelBench solution file) to `path`. Unless forced, refuses
+    (FileExistsError) to replace the library's own file, or an existing file
+    that does not start with BUNDLE_MARKER."""
     text = kernelbench_source(kernelbench) if kernelbench else bundle_source()
+    if not force and os.path.exists(path):
+        own = getattr(_lib(), "__file__", None)
+        if own and os.path.exists(own) and os.path.samefile(path, own):
+            raise FileExistsError(f"{path} is the module itself")
+        if not _is_bundle(path):
+            raise FileExistsError(f"{path} exists and was not written by `bundle` (its first "
+                                  "line is not the bundle marker)")
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
     return path
@@ -341,10 +364,14 @@ def main(argv=None):
     b.add_argument("out", help="path of the file to write")
     b.add_argument("--kernelbench", choices=list(KERNELBENCH_PROBLEMS), metavar="PROBLEM",
                    help="write a KernelBench solution instead; problems: " + ", ".join(KERNELBENCH_PROBLEMS))
+    b.add_argument("--force", action="store_true",
+                   help="overwrite OUT even if it is this module or a file that bundle did not write")
     args = parser.parse_args(argv)
     if args.command == "bundle":
         try:
-            bundle(args.out, args.kernelbench)
+            bundle(args.out, args.kernelbench, force=args.force)
+        except FileExistsError as error:
+            parser.error(f"{error}; --force overwrites it")
         except OSError as error:
             parser.error(f"cannot write {args.out}: {error.strerror or error}")
         print(f"wrote {args.out}")

@@ -11,6 +11,7 @@ import inspect
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -585,6 +586,47 @@ def test_cli_bundle_and_help(tmp_path):
                              str(missing)], capture_output=True, text=True)
     assert result.returncode == 2 and "cannot write" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_bundle_refuses_to_overwrite_what_it_did_not_write(tmp_path, capsys):
+    mine = tmp_path / "notes.py"
+    mine.write_text("print('mine')\n")
+    for args in (["bundle", str(mine)], ["bundle", "--kernelbench", "level1-35", str(mine)]):
+        with pytest.raises(SystemExit) as exited:
+            tools.main(args)
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and "was not written by `bundle`" in stderr, stderr
+        assert "--force" in stderr
+        assert mine.read_text() == "print('mine')\n"
+    assert tools.main(["bundle", "--force", str(mine)]) == 0
+    assert mine.read_text().startswith(tools.BUNDLE_MARKER + "\n")
+    assert tools.main(["bundle", "--kernelbench", "level1-35", str(mine)]) == 0  # a bundle now
+    assert mine.read_text() == tools.kernelbench_source("level1-35")
+
+    env = {**os.environ, "GROUPNORM_INLINE_LAZY": "1"}
+
+    def run(script, *args):
+        return subprocess.run([sys.executable, str(script), *args], cwd=os.path.dirname(script),
+                              env=env, capture_output=True, text=True)
+    # the module itself, in a copy of the checkout (a failure must not cost
+    # the real one), named as the command line names it
+    checkout = tmp_path / "checkout"
+    shutil.copytree(os.path.join(HERE, "kernels"), checkout / "kernels")
+    for name in ("groupnorm_inline.py", "groupnorm_tools.py"):
+        shutil.copy(os.path.join(HERE, name), checkout / name)
+    module = checkout / "groupnorm_inline.py"
+    text = module.read_text()
+    refused = run(module, "bundle", "groupnorm_inline.py")
+    assert refused.returncode == 2 and "is the module itself" in refused.stderr, refused.stderr
+    assert module.read_text() == text
+    # a bundle is its own module too; forced, it writes itself again
+    standalone = tools.bundle(str(tmp_path / "standalone.py"))
+    assert "is the module itself" in run(standalone, "bundle", standalone).stderr
+    with open(standalone) as f:
+        text = f.read()
+    assert run(standalone, "bundle", "--force", standalone).returncode == 0
+    with open(standalone) as f:
+        assert f.read() == text
 
 
 def test_cached_build_loads_silently_without_the_toolchain():
