@@ -10,6 +10,8 @@ compiled on first use with torch.utils.cpp_extension.load_inline.
 
 Command line (run by groupnorm_tools.py, which a bundle embeds):
     python groupnorm_inline.py [check]              build and self-check
+    python groupnorm_inline.py build [--arch 9.0]   compile only, print the extension's name
+    python groupnorm_inline.py --version
     python groupnorm_inline.py bundle OUT.py        standalone single-file copy
     python groupnorm_inline.py bundle --kernelbench level1-35 OUT.py
 """

@@ -1,6 +1,8 @@
 """groupnorm_tools: what groupnorm_inline's command line runs.
 
     python groupnorm_inline.py [check]              build and self-check
+    python groupnorm_inline.py build [--arch 9.0]   compile only, print the extension's name
+    python groupnorm_inline.py --version
     python groupnorm_inline.py bundle OUT.py        standalone single-file copy
     python groupnorm_inline.py bundle --kernelbench level1-35 OUT.py
 
@@ -346,6 +348,8 @@ _DESCRIPTION = """groupnorm_inline: a fast GroupNorm for PyTorch on NVIDIA GPUs.
 Without a command, %(prog)s builds the kernels and checks them (check).
 
 examples:
+  %(prog)s build --arch "8.0;9.0"
+      compile for A100 and H100 (no GPU needed), print the extension's name
   %(prog)s bundle my_groupnorm.py
       a standalone copy to import: one file, the kernels embedded
   %(prog)s bundle --kernelbench level1-35 solution.py
@@ -353,13 +357,22 @@ examples:
 """
 
 
+# TORCH_CUDA_ARCH_LIST's form: "9.0", "8.0;9.0", "8.6 9.0+PTX"
+_ARCH_LIST = re.compile(r"\d+\.\d+(\+PTX)?([ ;]+\d+\.\d+(\+PTX)?)*")
+
+
 def main(argv=None):
     lib = _lib()
     prog = os.path.basename(getattr(lib, "__file__", None) or "groupnorm_inline.py")
     parser = argparse.ArgumentParser(prog=prog, description=_DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"groupnorm_inline {lib.__version__}")
     sub = parser.add_subparsers(dest="command")
     sub.add_parser("check", help="build and self-check (the default)")
+    c = sub.add_parser("build", help="compile the kernels only (no GPU needed); print the extension's name")
+    c.add_argument("--arch", metavar="ARCHS",
+                   help='CUDA architectures, e.g. 9.0 or "8.0;9.0" (sets TORCH_CUDA_ARCH_LIST; '
+                        "default: that variable, else every visible GPU's, else 9.0)")
     b = sub.add_parser("bundle", help="write a standalone single-file copy with the kernels embedded")
     b.add_argument("out", help="path of the file to write")
     b.add_argument("--kernelbench", choices=list(KERNELBENCH_PROBLEMS), metavar="PROBLEM",
@@ -367,6 +380,14 @@ def main(argv=None):
     b.add_argument("--force", action="store_true",
                    help="overwrite OUT even if it is this module or a file that bundle did not write")
     args = parser.parse_args(argv)
+    if args.command == "build":
+        if args.arch is not None:
+            if not _ARCH_LIST.fullmatch(args.arch.strip()):
+                parser.error(f"--arch {args.arch!r}: expected versions such as 9.0 or \"8.0;9.0\"")
+            os.environ["TORCH_CUDA_ARCH_LIST"] = args.arch.strip()
+        lib.load()
+        print(lib.extension_name())
+        return 0
     if args.command == "bundle":
         try:
             bundle(args.out, args.kernelbench, force=args.force)

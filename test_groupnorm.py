@@ -629,6 +629,26 @@ def test_bundle_refuses_to_overwrite_what_it_did_not_write(tmp_path, capsys):
         assert f.read() == text
 
 
+def test_build_command_and_version(monkeypatch, capsys):
+    # build compiles (load) for the architectures asked for and prints the
+    # name of what it built; --version prints the version
+    archs = []
+    monkeypatch.setattr(gn, "load", lambda: archs.append(os.environ["TORCH_CUDA_ARCH_LIST"]))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5")
+    assert tools.main(["build", "--arch", "8.0;9.0"]) == 0
+    assert archs == ["8.0;9.0"]
+    assert capsys.readouterr().out == gn.extension_name("8.0;9.0") + "\n"
+    for argv, code in ((["build", "--arch", "sm_90"], 2), (["build", "--help"], 0), (["--version"], 0)):
+        with pytest.raises(SystemExit) as exited:
+            tools.main(argv)
+        assert exited.value.code == code, argv
+    out, err = capsys.readouterr()
+    assert "--arch 'sm_90': expected versions such as 9.0" in err
+    assert "usage: groupnorm_inline.py build [-h] [--arch ARCHS]" in out
+    assert out.endswith(f"groupnorm_inline {gn.__version__}\n")
+    assert archs == ["8.0;9.0"]
+
+
 def test_cached_build_loads_silently_without_the_toolchain():
     # a build already in the cache is imported as it is: no compiler, no message
     from torch.utils import cpp_extension
