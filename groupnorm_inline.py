@@ -26,6 +26,7 @@ import re
 import sys
 import time
 import types
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -35,7 +36,7 @@ from torch import nn
 __version__ = "0.1.0"
 __all__ = [
     "GroupNorm", "group_norm", "groupnorm_cuda", "replace_groupnorm", "plan",
-    "GroupNormError", "load", "sources", "extension_name",
+    "GroupNormError", "ToolchainError", "load", "sources", "extension_name",
 ]
 
 # ---------------------------------------------------------------------------
@@ -110,25 +111,30 @@ def extension_name(arch=None):
     return "groupnorm_inline_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+class ToolchainError(RuntimeError):
+    """What a build needs is missing: a CUDA build of torch, nvcc, the CUDA
+    runtime library or ninja. The message names the fix."""
+
+
 def _check_toolchain():
     from torch.utils import cpp_extension
 
     if torch.version.cuda is None:
-        raise RuntimeError("groupnorm_inline: this PyTorch build has no CUDA support "
-                           f"(torch {torch.__version__}); install a CUDA build of torch")
+        raise ToolchainError("groupnorm_inline: this PyTorch build has no CUDA support "
+                              f"(torch {torch.__version__}); install a CUDA build of torch")
     home = cpp_extension.CUDA_HOME
     if not home or not os.path.exists(os.path.join(home, "bin", "nvcc")):
-        raise RuntimeError("groupnorm_inline: the CUDA compiler (nvcc) was not found "
-                           f"(CUDA_HOME={home!r}). Install the CUDA toolkit and set CUDA_HOME to "
-                           "its directory, the one holding bin/nvcc, e.g. "
-                           "export CUDA_HOME=/usr/local/cuda")
+        raise ToolchainError("groupnorm_inline: the CUDA compiler (nvcc) was not found "
+                              f"(CUDA_HOME={home!r}). Install the CUDA toolkit and set CUDA_HOME to "
+                              "its directory, the one holding bin/nvcc, e.g. "
+                              "export CUDA_HOME=/usr/local/cuda")
     libs = [os.path.join(home, "lib64"), *glob.glob(os.path.join(home, "targets", "*", "lib"))]
     if not any(glob.glob(os.path.join(d, "libcudart.so*")) for d in libs) and os.name != "nt":
-        raise RuntimeError(f"groupnorm_inline: CUDA_HOME={home!r} has nvcc but no CUDA runtime library "
-                           "(lib64/libcudart.so); set CUDA_HOME to the toolkit directory itself, "
-                           "e.g. export CUDA_HOME=/usr/local/cuda-13.0")
+        raise ToolchainError(f"groupnorm_inline: CUDA_HOME={home!r} has nvcc but no CUDA runtime library "
+                              "(lib64/libcudart.so); set CUDA_HOME to the toolkit directory itself, "
+                              "e.g. export CUDA_HOME=/usr/local/cuda-13.0")
     if not cpp_extension.is_ninja_available():
-        raise RuntimeError("groupnorm_inline: ninja was not found; install it with `pip install ninja`")
+        raise ToolchainError("groupnorm_inline: ninja was not found; install it with `pip install ninja`")
 
 
 def _load_cached(cpp_extension, name, built, lock):
@@ -422,9 +428,33 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
         # float32, float64 ones stay as they are
         input, weight, bias = (t.float() if t is not None and t.dtype in _HALF_DTYPES else t
                                for t in (input, weight, bias))
-    if _takes_cuda_path(input, weight, bias):
+    if _takes_cuda_path(input, weight, bias) and _kernels_available():
         return _cuda_forward(input, weight, bias, num_groups, eps)
     return F.group_norm(input, num_groups, weight, bias, eps)
+
+
+_toolchain_error = None  # the ToolchainError that sent group_norm to torch
+
+
+def _kernels_available():
+    """Whether the extension is loaded, or loads now (a cached build, or a new
+    one). Without the CUDA toolchain it warns once per process, naming the
+    fix, and says no: group_norm and GroupNorm then run torch's GroupNorm,
+    while groupnorm_cuda raises the ToolchainError (load() does)."""
+    global _toolchain_error
+    if torch.compiler.is_compiling():
+        return _toolchain_error is None
+    if _extension is not None:
+        return True
+    if _toolchain_error is None:
+        try:
+            load()
+            return True
+        except ToolchainError as error:
+            _toolchain_error = error
+            warnings.warn(f"{error}. Until then, group_norm and GroupNorm run torch's GroupNorm "
+                          "and groupnorm_cuda raises this error.", stacklevel=3)
+    return False
 
 
 def _single_value_per_channel(input, num_groups):
@@ -598,11 +628,12 @@ class _Namespace:
 
 
 # Build (or load the cached build) on import when a GPU is present, so the
-# first call does not pay for it; GROUPNORM_INLINE_LAZY=1 defers it to first
-# use. Run as a script, the command decides (bundle needs no build).
+# first call does not pay for it (without the toolchain: one warning, and
+# group_norm falls back to torch); GROUPNORM_INLINE_LAZY=1 defers it to
+# first use. Run as a script, the command decides (bundle needs no build).
 if (__name__ != "__main__" and torch.cuda.is_available()
         and os.environ.get("GROUPNORM_INLINE_LAZY", "0") in ("", "0")):
-    load()
+    _kernels_available()
 
 if __name__ == "__main__" and "__file__" in globals():
     sys.exit(_tools().main())

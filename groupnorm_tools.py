@@ -385,9 +385,6 @@ def main(argv=None):
             if not _ARCH_LIST.fullmatch(args.arch.strip()):
                 parser.error(f"--arch {args.arch!r}: expected versions such as 9.0 or \"8.0;9.0\"")
             os.environ["TORCH_CUDA_ARCH_LIST"] = args.arch.strip()
-        lib.load()
-        print(lib.extension_name())
-        return 0
     if args.command == "bundle":
         try:
             bundle(args.out, args.kernelbench, force=args.force)
@@ -397,4 +394,11 @@ def main(argv=None):
             parser.error(f"cannot write {args.out}: {error.strerror or error}")
         print(f"wrote {args.out}")
         return 0
-    return self_check()
+    try:
+        if args.command != "build":
+            return self_check()
+        lib.load()
+    except lib.ToolchainError as error:  # its message names the fix: no traceback
+        parser.exit(1, f"{prog}: {error}\n")
+    print(lib.extension_name())
+    return 0

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -647,6 +648,68 @@ def test_build_command_and_version(monkeypatch, capsys):
     assert "usage: groupnorm_inline.py build [-h] [--arch ARCHS]" in out
     assert out.endswith(f"groupnorm_inline {gn.__version__}\n")
     assert archs == ["8.0;9.0"]
+
+    def no_nvcc():
+        raise gn.ToolchainError("groupnorm_inline: the CUDA compiler (nvcc) was not found")
+
+    monkeypatch.setattr(gn, "load", no_nvcc)
+    with pytest.raises(SystemExit) as exited:
+        tools.main(["build"])
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == "groupnorm_inline.py: groupnorm_inline: the CUDA compiler (nvcc) was not found\n"
+
+
+def without_toolchain(monkeypatch):
+    """As on a machine with no CUDA toolkit and nothing in the build cache."""
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(gn, "_extension", None)
+    monkeypatch.setattr(gn, "_toolchain_error", None)
+    monkeypatch.setattr(gn, "_load_cached", lambda *args: None)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/nonexistent")
+
+
+def test_missing_toolchain_falls_back_to_torch_with_one_warning(monkeypatch):
+    without_toolchain(monkeypatch)
+    x = torch.randn(2, 6, 4).as_subclass(PretendCuda)  # takes the CUDA path
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for y in (gn.group_norm(x, 2), gn.group_norm(x, 3), gn.GroupNorm(2, 6)(x)):
+            assert isinstance(y, PretendCuda)  # computed by torch, from x itself
+        assert torch.equal(gn.group_norm(x, 2), F.group_norm(x, 2))
+    messages = [str(w.message) for w in caught if "groupnorm_inline" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "nvcc" in messages[0] and "CUDA_HOME" in messages[0]
+    assert "group_norm and GroupNorm run torch's GroupNorm" in messages[0]
+    with pytest.raises(gn.ToolchainError, match=r"nvcc\) was not found \(CUDA_HOME='/nonexistent'\)"):
+        gn.groupnorm_cuda(x, None, None, 2)
+    assert issubclass(gn.ToolchainError, RuntimeError)
+
+
+def test_import_without_toolchain_warns_once_and_falls_back(tmp_path):
+    # on a GPU machine the import loads the kernels: without nvcc, one warning
+    code = "\n".join([
+        "import warnings, torch",
+        "warnings.simplefilter('always')",
+        "torch.cuda.is_available = lambda: True",
+        "import groupnorm_inline as gn",
+        "class PretendCuda(torch.Tensor):",
+        "    is_cuda = property(lambda self: True)",
+        "x = torch.randn(2, 6, 4).as_subclass(PretendCuda)",
+        "assert torch.equal(gn.group_norm(x, 2), torch.nn.functional.group_norm(x, 2))",
+        "gn.GroupNorm(2, 6)(x)",
+        "try:",
+        "    gn.groupnorm_cuda(x, None, None, 2)",
+        "except gn.ToolchainError as error:",
+        "    print('groupnorm_cuda:', error)",
+    ])
+    env = {**os.environ, "CUDA_HOME": "/nonexistent", "TORCH_EXTENSIONS_DIR": str(tmp_path),
+           "TORCH_CUDA_ARCH_LIST": "9.0"}
+    env.pop("GROUPNORM_INLINE_LAZY", None)
+    result = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("run torch's GroupNorm") == 1, result.stderr
+    assert "groupnorm_cuda: groupnorm_inline: the CUDA compiler (nvcc) was not found" in result.stdout
 
 
 def test_cached_build_loads_silently_without_the_toolchain():
