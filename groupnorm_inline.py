@@ -1,28 +1,32 @@
 """groupnorm_inline: a fast GroupNorm for PyTorch on NVIDIA GPUs.
 
 Same answer as torch.nn.GroupNorm, forward and backward, from CUDA kernels
-compiled on first use with torch.utils.cpp_extension.load_inline.
+compiled on first use with torch.utils.cpp_extension (in parallel, cached).
 
     import groupnorm_inline as gn
     y = gn.group_norm(x, 32, weight, bias)          # like F.group_norm
     layer = gn.GroupNorm(32, 320).cuda()            # like nn.GroupNorm
     model = gn.replace_groupnorm(model)             # swap every nn.GroupNorm
 
-Command line:
+Command line (run by groupnorm_tools.py, which a bundle embeds):
     python groupnorm_inline.py [check]              build and self-check
+    python groupnorm_inline.py build [--arch 9.0]   compile only, print the extension's name
+    python groupnorm_inline.py --version
     python groupnorm_inline.py bundle OUT.py        standalone single-file copy
     python groupnorm_inline.py bundle --kernelbench level1-35 OUT.py
 """
 
-import argparse
 import glob
 import hashlib
 import importlib.util
+import inspect
 import numbers
 import os
 import re
 import sys
 import time
+import types
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -31,16 +35,18 @@ from torch import nn
 
 __version__ = "0.1.0"
 __all__ = [
-    "GroupNorm", "ModelNew", "group_norm", "groupnorm_cuda", "replace_groupnorm",
-    "get_inputs", "get_init_inputs", "load", "plan", "bundle",
+    "GroupNorm", "group_norm", "groupnorm_cuda", "replace_groupnorm", "plan",
+    "GroupNormError", "ToolchainError", "load", "sources", "extension_name",
 ]
 
 # ---------------------------------------------------------------------------
 # Loader: kernels/ (or the sources embedded by `bundle`) -> one extension
 # ---------------------------------------------------------------------------
 
-# A bundled copy carries its kernel sources here, {file name: text}.
+# A bundled copy carries its kernel sources here, {file name: text}, and the
+# text of groupnorm_tools.py, which its command line runs.
 _EMBEDDED_SOURCES = None  # replaced by `bundle`
+_EMBEDDED_TOOLS = None  # replaced by `bundle`
 
 _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in globals() else None
 # The extension is compiled as separate translation units, in parallel: the
@@ -117,25 +123,30 @@ def extension_name(arch=None):
     return "groupnorm_inline_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+class ToolchainError(RuntimeError):
+    """What a build needs is missing: a CUDA build of torch, nvcc, the CUDA
+    runtime library or ninja. The message names the fix."""
+
+
 def _check_toolchain():
     from torch.utils import cpp_extension
 
     if torch.version.cuda is None:
-        raise RuntimeError("groupnorm_inline: this PyTorch build has no CUDA support "
-                           f"(torch {torch.__version__}); install a CUDA build of torch")
+        raise ToolchainError("groupnorm_inline: this PyTorch build has no CUDA support "
+                              f"(torch {torch.__version__}); install a CUDA build of torch")
     home = cpp_extension.CUDA_HOME
     if not home or not os.path.exists(os.path.join(home, "bin", "nvcc")):
-        raise RuntimeError("groupnorm_inline: the CUDA compiler (nvcc) was not found "
-                           f"(CUDA_HOME={home!r}). Install the CUDA toolkit and set CUDA_HOME to "
-                           "its directory, the one holding bin/nvcc, e.g. "
-                           "export CUDA_HOME=/usr/local/cuda")
+        raise ToolchainError("groupnorm_inline: the CUDA compiler (nvcc) was not found "
+                              f"(CUDA_HOME={home!r}). Install the CUDA toolkit and set CUDA_HOME to "
+                              "its directory, the one holding bin/nvcc, e.g. "
+                              "export CUDA_HOME=/usr/local/cuda")
     libs = [os.path.join(home, "lib64"), *glob.glob(os.path.join(home, "targets", "*", "lib"))]
     if not any(glob.glob(os.path.join(d, "libcudart.so*")) for d in libs) and os.name != "nt":
-        raise RuntimeError(f"groupnorm_inline: CUDA_HOME={home!r} has nvcc but no CUDA runtime library "
-                           "(lib64/libcudart.so); set CUDA_HOME to the toolkit directory itself, "
-                           "e.g. export CUDA_HOME=/usr/local/cuda-13.0")
+        raise ToolchainError(f"groupnorm_inline: CUDA_HOME={home!r} has nvcc but no CUDA runtime library "
+                              "(lib64/libcudart.so); set CUDA_HOME to the toolkit directory itself, "
+                              "e.g. export CUDA_HOME=/usr/local/cuda-13.0")
     if not cpp_extension.is_ninja_available():
-        raise RuntimeError("groupnorm_inline: ninja was not found; install it with `pip install ninja`")
+        raise ToolchainError("groupnorm_inline: ninja was not found; install it with `pip install ninja`")
 
 
 def _load_cached(cpp_extension, name, built, lock):
@@ -276,20 +287,114 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
+class GroupNormError(ValueError, RuntimeError):
+    """A bad argument to group_norm, GroupNorm, groupnorm_cuda or plan; the
+    message names it and its value. A ValueError, as this module's errors
+    were, and a RuntimeError, as most of torch's for the same mistakes are;
+    where torch raises another type for a mistake, also that type: a
+    TypeError for an argument of the wrong type, NotImplementedError for an
+    input dtype without a kernel, ZeroDivisionError for num_groups = 0,
+    AttributeError for an input that is not a tensor. So code written
+    against torch catches it, on either device."""
+
+
+class _WrongType(GroupNormError, TypeError):
+    """An argument of the wrong type (torch: TypeError)."""
+
+
+class _UnsupportedDtype(_WrongType, NotImplementedError):
+    """An input dtype without a kernel (torch: NotImplementedError)."""
+
+
+class _NotATensor(_WrongType, AttributeError):
+    """An input that is not a tensor (torch: AttributeError, from input.dim())."""
+
+
+class _ZeroGroups(GroupNormError, ZeroDivisionError):
+    """num_groups = 0 (torch: ZeroDivisionError, from C // num_groups)."""
+
+
+def _integral(value):
+    """An int for num_groups, as torch takes it: Python and numpy integers and
+    0-d integer tensors, not bools."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not (value.is_floating_point() or value.is_complex()
+                                         or value.dtype == torch.bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _real(value):
+    """A float for eps: Python and numpy reals and 0-d real tensors, not bools."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not (value.is_complex() or value.dtype == torch.bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _type_name(value):
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)} and dtype {value.dtype}"
+    return type(value).__name__
+
+
 def _check_scalars(caller, num_groups, eps):
-    """(num_groups, eps) as int and float. Like nn.GroupNorm, any integral and
-    real number is taken (numpy scalars included), bools are not."""
+    """(num_groups, eps) as int and float (torch.compile traces plain Python
+    numbers)."""
     if type(num_groups) is not int:
-        if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral):
-            raise TypeError(f"{caller}: num_groups must be an int, got {type(num_groups).__name__}")
+        if not _integral(num_groups):
+            raise _WrongType(f"{caller}: num_groups must be an int, got {_type_name(num_groups)}")
         num_groups = int(num_groups)
     if type(eps) is not float:
-        if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-            raise TypeError(f"{caller}: eps must be a float, got {type(eps).__name__}")
+        if not _real(eps):
+            raise _WrongType(f"{caller}: eps must be a float, got {_type_name(eps)}")
         eps = float(eps)
     if not (eps >= 0 and eps != float("inf")):
-        raise ValueError(f"{caller}: eps must be finite and >= 0, got {eps}")
+        raise GroupNormError(f"{caller}: eps must be finite and >= 0, got {eps}")
     return num_groups, eps
+
+
+def _check_arguments(caller, input, num_groups, weight, bias, eps):
+    """(num_groups, eps) as int and float, once the arguments pass the checks
+    of torch's group_norm, in Python for either device, so that a mistake
+    raises the same error type on CPU and GPU."""
+    if not isinstance(input, torch.Tensor):
+        raise _NotATensor(f"{caller}: input must be a torch.Tensor, got {type(input).__name__}")
+    num_groups, eps = _check_scalars(caller, num_groups, eps)
+    if input.dim() < 2:
+        raise GroupNormError(f"{caller}: input must have shape (N, C, *), got {tuple(input.shape)}")
+    C = input.shape[1]
+    if num_groups <= 0 or C % num_groups:
+        error = _ZeroGroups if num_groups == 0 else GroupNormError
+        raise error(f"{caller}: num_channels ({C}) must be divisible by a positive num_groups "
+                    f"({num_groups})")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise _WrongType(f"{caller}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.shape != (C,):
+            raise GroupNormError(f"{caller}: {name} must have shape [{C}] (one value per channel), "
+                                 f"got {list(t.shape)}")
+    if input.dtype not in _FLOAT_DTYPES:
+        raise _UnsupportedDtype(f"{caller}: input dtype must be float32, float16, bfloat16 or "
+                                f"float64, got {input.dtype}")
+    return num_groups, eps
+
+
+def _check_cuda_arguments(caller, x, groups, weight, bias, eps):
+    """_check_arguments, then what this module's kernels need beyond torch:
+    x on a GPU, weight and bias of its dtype and on its device."""
+    groups, eps = _check_arguments(caller, x, groups, weight, bias, eps)
+    if not x.is_cuda:
+        raise GroupNormError(f"{caller}: x must be a CUDA tensor, got one on {x.device}; "
+                             "group_norm() also takes CPU tensors")
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and t.dtype != x.dtype:
+            raise _WrongType(f"{caller}: {name} dtype must be x's ({x.dtype}), got {t.dtype}; "
+                             "group_norm() takes mixed dtypes")
+        if t is not None and t.device != x.device:
+            raise GroupNormError(f"{caller}: {name} must be on x's device ({x.device}), got one "
+                                 f"on {t.device}")
+    return groups, eps
 
 
 def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, lag=0):
@@ -299,32 +404,31 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
 
     x: (N, C, *) float32/float16/bfloat16/float64 on a CUDA device; gamma, beta:
     (C,) tensors of x's dtype and device, or None. Returns a new tensor in x's
-    dtype and memory format. `kernel` ("auto", "reference", "registers" and
-    "stream" (either layout), "contiguous", "channels_last") and `team` (CTAs
-    per unit; for "stream", pieces of lag; 0 = automatic) force a path, for
-    tests and tuning.
+    dtype and memory format.
+
+    For tests and tuning (forward only, eager only; 0 = automatic):
+    `kernel` forces a kernel: "auto", "reference", "registers", "contiguous",
+    "channels_last" or "stream" (either layout); `team` the CTAs per unit of
+    the team kernels ("contiguous", "channels_last"); `lag` the stream
+    kernels' lag in pieces.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"groupnorm_cuda: x must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_cuda:
-        raise ValueError(f"groupnorm_cuda: x must be a CUDA tensor, got one on {x.device}; "
-                         "group_norm() also takes CPU tensors")
-    groups, eps = _check_scalars("groupnorm_cuda", groups, eps)
+    groups, eps = _check_cuda_arguments("groupnorm_cuda", x, groups, gamma, beta, eps)
     if _func_transformed(x, gamma, beta):
-        raise ValueError("groupnorm_cuda: torch.func transforms (grad, vmap, ...) are not "
-                         "supported; group_norm hands them to torch")
+        raise GroupNormError("groupnorm_cuda: torch.func transforms (grad, vmap, ...) are not "
+                             "supported; group_norm hands them to torch")
     if kernel == "auto" and team == 0 and lag == 0:
         return _cuda_forward(x, gamma, beta, groups, eps)
     if torch.compiler.is_compiling() or _needs_grad(x, gamma, beta):
-        raise ValueError("groupnorm_cuda: kernel/team overrides are for forward-only eager "
-                         "tests: they record no gradients and torch.compile cannot trace them")
+        raise GroupNormError("groupnorm_cuda: kernel/team/lag overrides are for forward-only "
+                             "eager tests: they record no gradients and torch.compile cannot "
+                             "trace them")
     return load().forward(x, gamma, beta, groups, eps, kernel, team, lag)[0]
 
 
 def _cuda_forward(x, gamma, beta, groups, eps):
     """This module's kernels, with autograd where it is needed: the registered
     op while torch.compile / export trace, the C++ autograd function
-    (kernels/autograd.h) in eager mode, the bare extension call without
+    (kernels/autograd.cpp) in eager mode, the bare extension call without
     gradients."""
     if torch.compiler.is_compiling():
         return torch.ops.groupnorm_inline.forward(x, gamma, beta, groups, eps)[0]
@@ -334,18 +438,26 @@ def _cuda_forward(x, gamma, beta, groups, eps):
 
 
 def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False):
-    """The kernel groupnorm_cuda would run for x, and why, as one line of text.
+    """The kernel groupnorm_cuda would run for x with these forcing arguments
+    (see groupnorm_cuda), its parameters, and why: a dict, as the extension
+    returns it.
+
     With backward=True, the backward's kernel and tiling for x (and a
-    grad_output laid out like it, dx wanted); there kernel is "auto",
-    "passes" (four launches) or "stream" (one launch; either layout), and
-    team forces the stream kernel's lag in tiles."""
+    grad_output laid out like it, dx wanted): there kernel is "auto",
+    "passes" (four launches) or "stream" (one launch; either layout), lag
+    the stream kernel's lag in tiles, and there is no team.
+    """
+    groups, _ = _check_cuda_arguments("plan", x, groups, None, None, 0.0)
     if backward:
+        if team:
+            raise GroupNormError(f"plan: the backward has no teams, got team={team} "
+                                 "(its stream kernel's lag is `lag`)")
         return load().backward_plan(x, groups, kernel, lag)
     return load().plan(x, groups, kernel, team, lag)
 
 
 def _takes_cuda_path(input, weight, bias):
-    if not input.is_cuda or input.dtype not in _FLOAT_DTYPES or _func_transformed(input, weight, bias):
+    if not input.is_cuda or _func_transformed(input, weight, bias):
         return False
     for t in (weight, bias):
         if t is not None and (t.dtype != input.dtype or t.device != input.device):
@@ -378,34 +490,45 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     Gradients of gradients are not supported: backward through the gradient
     raises and names torch's group_norm as the way out. CPU tensors, and
     weight/bias of another dtype or device than the input, go to torch. Under
-    CUDA autocast the op runs in float32, as torch's does.
+    CUDA autocast the op runs in float32, as torch's does. A bad argument
+    raises GroupNormError, which is also the type torch raises for it.
     """
-    if not isinstance(input, torch.Tensor):
-        raise TypeError(f"group_norm: input must be a torch.Tensor, got {type(input).__name__}")
-    num_groups, eps = _check_scalars("group_norm", num_groups, eps)
+    num_groups, eps = _check_arguments("group_norm", input, num_groups, weight, bias, eps)
+    if _single_value_per_channel(input, num_groups):
+        raise GroupNormError("group_norm: expected more than 1 value per channel, got input of "
+                             f"size {list(input.shape)}")
     if input.is_cuda and torch.is_autocast_enabled("cuda"):
         # torch's float32 autocast policy: half-precision tensors become
         # float32, float64 ones stay as they are
         input, weight, bias = (t.float() if t is not None and t.dtype in _HALF_DTYPES else t
                                for t in (input, weight, bias))
-    if (input.dim() >= 2 and num_groups > 0 and input.shape[1] % num_groups == 0
-            and _single_value_per_channel(input, num_groups)):
-        raise ValueError("group_norm: expected more than 1 value per channel, got input of "
-                         f"size {list(input.shape)}")
-    if _takes_cuda_path(input, weight, bias):
+    if _takes_cuda_path(input, weight, bias) and _kernels_available():
         return _cuda_forward(input, weight, bias, num_groups, eps)
-    if not (input.is_floating_point() and input.dtype in _FLOAT_DTYPES):
-        raise TypeError(f"group_norm: input dtype must be floating point, got {input.dtype}")
-    if input.dim() < 2:
-        raise ValueError(f"group_norm: input must have shape (N, C, *), got {tuple(input.shape)}")
-    if num_groups <= 0 or input.shape[1] % num_groups:
-        raise ValueError(f"group_norm: num_channels ({input.shape[1]}) must be divisible by "
-                         f"a positive num_groups ({num_groups})")
-    for name, t in (("weight", weight), ("bias", bias)):  # torch's own error is a RuntimeError
-        if t is not None and tuple(t.shape) != (input.shape[1],):
-            raise ValueError(f"group_norm: {name} must have shape [{input.shape[1]}] (one value "
-                             f"per channel), got {list(t.shape)}")
     return F.group_norm(input, num_groups, weight, bias, eps)
+
+
+_toolchain_error = None  # the ToolchainError that sent group_norm to torch
+
+
+def _kernels_available():
+    """Whether the extension is loaded, or loads now (a cached build, or a new
+    one). Without the CUDA toolchain it warns once per process, naming the
+    fix, and says no: group_norm and GroupNorm then run torch's GroupNorm,
+    while groupnorm_cuda raises the ToolchainError (load() does)."""
+    global _toolchain_error
+    if torch.compiler.is_compiling():
+        return _toolchain_error is None
+    if _extension is not None:
+        return True
+    if _toolchain_error is None:
+        try:
+            load()
+            return True
+        except ToolchainError as error:
+            _toolchain_error = error
+            warnings.warn(f"{error}. Until then, group_norm and GroupNorm run torch's GroupNorm "
+                          "and groupnorm_cuda raises this error.", stacklevel=3)
+    return False
 
 
 def _single_value_per_channel(input, num_groups):
@@ -474,7 +597,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_formula(ctx, dy, _dmean, _drstd):
     """Gradients for (x, weight, bias, groups, eps) through the registered
-    backward op (the eager path does the same in C++, kernels/autograd.h)."""
+    backward op (the eager path does the same in C++, kernels/autograd.cpp)."""
     x, weight, mean, rstd = ctx.saved_tensors
     need_dx, need_weight, need_bias = ctx.needs_input_grad[:3]
     dx, dweight, dbias = torch.ops.groupnorm_inline.backward(
@@ -506,22 +629,35 @@ def _register_ops():
 _register_ops()
 
 
-class GroupNorm(nn.GroupNorm):
-    """Drop-in nn.GroupNorm: same constructor, parameters, init, repr and
-    state_dict; forward runs group_norm() above."""
+# torch 2.14 added nn.GroupNorm's bias argument; with an older torch,
+# GroupNorm drops the bias parameter itself, as 2.14 does.
+_TORCH_GROUPNORM_TAKES_BIAS = "bias" in inspect.signature(nn.GroupNorm.__init__).parameters
 
-    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None):
-        # numpy scalars become int and float here: torch.compile traces
-        # plain Python numbers
+
+class GroupNorm(nn.GroupNorm):
+    """Drop-in nn.GroupNorm: same constructor (bias=False included, with any
+    torch), parameters, init, repr and state_dict; forward runs group_norm()
+    above."""
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None,
+                 *, bias=True):
+        # numpy scalars and 0-d tensors become int and float here:
+        # torch.compile traces plain Python numbers
         num_groups, eps = _check_scalars("GroupNorm", num_groups, eps)
-        super().__init__(num_groups, num_channels, eps, affine, device, dtype)
+        if _TORCH_GROUPNORM_TAKES_BIAS:
+            super().__init__(num_groups, num_channels, eps, affine, device, dtype, bias=bias)
+        else:
+            super().__init__(num_groups, num_channels, eps, affine, device, dtype)
+            if not bias:
+                self.register_parameter("bias", None)
 
     def forward(self, input):
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
 
 
 def _converted(module):
-    new = GroupNorm(module.num_groups, module.num_channels, module.eps, module.affine, device="meta")
+    new = GroupNorm(module.num_groups, module.num_channels, module.eps, module.affine, device="meta",
+                    bias=module.bias is not None)
     new.weight = module.weight  # the same Parameter objects: device, dtype and
     new.bias = module.bias      # optimizer state all carry over
     new.train(module.training)
@@ -542,303 +678,36 @@ def replace_groupnorm(model):
     return model
 
 
-# KernelBench level 1, problem 35: Model holds self.gn = nn.GroupNorm(...).
-batch_size, features, num_groups, dim1, dim2 = 112, 64, 8, 512, 512
+def _tools():
+    """groupnorm_tools (bundle, KernelBench export, self-check, command line),
+    working on this module: the copy a bundle embeds, else the file beside
+    this one."""
+    if _EMBEDDED_TOOLS is None:
+        import groupnorm_tools as tools
+    else:
+        tools = types.ModuleType("groupnorm_tools")
+        exec(compile(_EMBEDDED_TOOLS, "groupnorm_tools.py (embedded)", "exec"), vars(tools))
+    this = sys.modules.get(__name__)
+    if this is None or vars(this) is not globals():  # exec'd text, or loaded outside sys.modules
+        this = _Namespace(globals())
+    tools.bind(this)
+    return tools
 
 
-class ModelNew(nn.Module):
-    """KernelBench level-1 #35 replacement: same state_dict keys as the reference."""
+class _Namespace:
+    """Attribute access to a dict of globals that no module object holds."""
 
-    def __init__(self, num_features: int, num_groups: int):
-        super().__init__()
-        self.gn = GroupNorm(num_groups=num_groups, num_channels=num_features)
-
-    def forward(self, x):
-        return self.gn(x)
-
-
-def get_inputs():
-    return [torch.rand(batch_size, features, dim1, dim2)]
-
-
-def get_init_inputs():
-    return [features, num_groups]
-
-
-# ---------------------------------------------------------------------------
-# Bundles: one file to copy into a project, or a KernelBench solution
-# ---------------------------------------------------------------------------
-
-_EMBED_MARKER = "_EMBEDDED_SOURCES = None  # " + "replaced by `bundle`"  # split: matches once
-
-_KERNELBENCH_TEMPLATE = '''"""KernelBench level-1 #35 (GroupNorm) solution from groupnorm_inline {version}.
-
-ModelNew keeps the reference Model's parameters (gn.weight, gn.bias) and runs
-GroupNorm with the CUDA kernels below.
-"""
-import torch
-from torch import nn
-from torch.utils.cpp_extension import load_inline
-
-CPP_SOURCE = {cpp}
-
-CUDA_SOURCE = {cuda}
-
-_extension = load_inline(
-    name={name!r}, cpp_sources=CPP_SOURCE, cuda_sources=CUDA_SOURCE,
-    functions={functions!r}, extra_cflags=["-O3"], extra_cuda_cflags={flags!r})
-
-
-class GroupNormCUDA(nn.Module):
-    def __init__(self, num_groups, num_channels, eps=1e-5):
-        super().__init__()
-        self.num_groups = num_groups
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(num_channels))
-        self.bias = nn.Parameter(torch.zeros(num_channels))
-
-    def forward(self, x):
-        return _extension.forward(x, self.weight, self.bias, self.num_groups, self.eps, "auto", 0)[0]
-
-
-class ModelNew(nn.Module):
-    def __init__(self, num_features: int, num_groups: int):
-        super().__init__()
-        self.gn = GroupNormCUDA(num_groups=num_groups, num_channels=num_features)
-
-    def forward(self, x):
-        return self.gn(x)
-
-
-batch_size = {batch_size}
-features = {features}
-num_groups = {num_groups}
-dim1 = {dim1}
-dim2 = {dim2}
-
-
-def get_inputs():
-    return [torch.rand(batch_size, features, dim1, dim2)]
-
-
-def get_init_inputs():
-    return [features, num_groups]
-'''
-
-KERNELBENCH_PROBLEMS = ("level1-35",)
-
-
-def _strip_line_comments(code):
-    """What KernelBench's static checker reads: each line cut at its first '#'
-    and at its first '//'."""
-    lines = []
-    for line in code.split("\n"):
-        for mark in ("#", "//"):
-            if mark in line:
-                line = line[:line.index(mark)]
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def kernelbench_problems(code):
-    """Reasons KernelBench's strict static checks would reject `code` (empty
-    list: accepted)."""
-    text = _strip_line_comments(code)
-    problems = []
-    for pattern in (r"\btry\s*:", r"\bexcept\s*:", r"\bexcept\s+\w+"):
-        if re.search(pattern, text):
-            problems.append("try/except block")
-    if re.search(r"\bpass\b", text):
-        problems.append("the word 'pass'")
-    if "__global__" not in text:
-        problems.append("no __global__ kernel")
-    if "load_inline" not in text and "cpp_extension" not in text:
-        problems.append("no load_inline")
-    if re.search(r"torch\.nn\.(?!(Module|parameter|Parameter|ParameterList|ParameterDict|"
-                 r"ModuleList|ModuleDict|init)\b)", text):
-        problems.append("a torch.nn compute layer")
-    if re.search(r"torch\.nn\.functional\.\w+|\bnn\.functional\.\w+|\bF\.\w+", text):
-        problems.append("a torch.nn.functional op")
-    return problems
-
-
-def _raw_literal(text):
-    """text as a multi-line raw string literal: bundles stay readable, and a
-    line-based checker sees the CUDA source line by line."""
-    if "'''" in text or text.endswith("\\"):
-        raise ValueError("source cannot be embedded as a raw triple-quoted string")
-    return "r'''" + text + "'''"
-
-
-def kernelbench_source(problem="level1-35"):
-    if problem not in KERNELBENCH_PROBLEMS:
-        raise ValueError(f"unknown KernelBench problem {problem!r}; known: {', '.join(KERNELBENCH_PROBLEMS)}")
-    cpp, cuda = sources()
-    text = _KERNELBENCH_TEMPLATE.format(
-        version=__version__, cpp=_raw_literal(cpp), cuda=_raw_literal(cuda), name=extension_name(), functions=_FUNCTIONS,
-        flags=_CUDA_FLAGS, batch_size=batch_size, features=features, num_groups=num_groups,
-        dim1=dim1, dim2=dim2)
-    problems = kernelbench_problems(text)
-    if problems:
-        raise RuntimeError(f"KernelBench bundle would be rejected: {', '.join(problems)}")
-    return text
-
-
-def bundle_source():
-    """This module's text with every kernel source embedded: works with no
-    kernels/ beside it and when exec'd from a string."""
-    if "__file__" not in globals():
-        raise RuntimeError("bundle: needs the module's file; exec'd text cannot copy itself")
-    with open(globals()["__file__"], encoding="utf-8") as f:
-        text = f.read()
-    if _EMBEDDED_SOURCES is not None:
-        return text  # already standalone
-    embedded = {name: _read_source(name) for name in _kernel_files()}
-    if text.count(_EMBED_MARKER) != 1:
-        raise RuntimeError("bundle: embedding marker not found exactly once")
-    literal = "".join(f"    {name!r}: {_raw_literal(body)},\n" for name, body in embedded.items())
-    return text.replace(_EMBED_MARKER, "_EMBEDDED_SOURCES = {\n" + literal + "}")
-
-
-def bundle(path, kernelbench=None):
-    """Writes a standalone copy of this module (or, with kernelbench, a
-    KernelBench solution file) to `path`."""
-    text = kernelbench_source(kernelbench) if kernelbench else bundle_source()
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
-    return path
-
-
-# ---------------------------------------------------------------------------
-# Self-check: every dtype x layout x a set of shapes against float64
-# ---------------------------------------------------------------------------
-
-_SELF_CHECK_SHAPES = [  # (shape, groups)
-    ((4, 32, 8, 8), 8),
-    ((2, 320, 64, 64), 32),
-    ((8, 1280, 8, 8), 32),
-    ((2, 96, 17, 23), 6),          # C/G = 16, odd HxW
-    ((3, 60, 31, 1), 5),           # C/G = 12 (not a power of two)
-    ((16, 64, 126, 126), 16),
-    ((1, 128, 256, 256), 32),
-]
-_OUTPUT_EPS = {torch.float32: 2.0 ** -23, torch.float16: 2.0 ** -10, torch.bfloat16: 2.0 ** -7}
-
-
-def max_error(out, ref):
-    return (out.double() - ref).abs().max().item()
-
-
-def reference_group_norm(x, groups, weight, bias, eps):
-    """GroupNorm of x in float64, written out from the definition (not through
-    torch's kernel), on x's device and in x's memory format."""
-    N, C = x.shape[:2]
-    xd = x.double()
-    if xd.numel() == 0:
-        return xd.clone()
-    flat = xd.reshape(N, groups, -1)
-    mean = flat.mean(dim=2, keepdim=True)
-    var = (flat - mean).square().mean(dim=2, keepdim=True)
-    y = ((flat - mean) / torch.sqrt(var + eps)).reshape(xd.shape)
-    per_channel = (1, C) + (1,) * (x.dim() - 2)
-    if weight is not None:
-        y = y * weight.double().reshape(per_channel)
-    if bias is not None:
-        y = y + bias.double().reshape(per_channel)
-    return y
-
-
-def torch_group_norm(x, groups, weight, bias, eps):
-    """torch's own GroupNorm kernel (without F.group_norm's Python checks)."""
-    N, C = x.shape[:2]
-    x = x.contiguous()  # the layout torch's kernel takes in every version
-    return torch.native_group_norm(x, weight, bias, N, C, x[0, 0].numel() if N and C else 0,
-                                   groups, eps)[0]
-
-
-def within_tolerance(err, torch_err, ref, dtype):
-    """fp32: 1e-5 abs on unit-scale data; fp16/bf16: no worse than torch's own
-    error, give or take half an output ulp at the largest value."""
-    scale = ref.abs().max().item()
-    if dtype == torch.float32:
-        return err <= max(1e-5, 4 * _OUTPUT_EPS[dtype] * scale)
-    return err <= 1.1 * torch_err + 0.5 * _OUTPUT_EPS[dtype] * scale
-
-
-def _median_ms(fn):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def self_check():
-    if not torch.cuda.is_available():
-        print("groupnorm_inline self-check: no CUDA device is visible, so there is nothing to "
-              "check here (on CPU, group_norm runs torch's own implementation).")
-        return 0
-    load()
-    print(f"groupnorm_inline {__version__} self-check on {torch.cuda.get_device_name()} "
-          f"(torch {torch.__version__}, CUDA {torch.version.cuda})")
-    header = (f"{'shape':>20} {'G':>3} {'dtype':>8} {'layout':>13} {'kernel':>13} "
-              f"{'err':>9} {'torch err':>9} {'ms':>8} {'eager':>8} {'compile':>8} "
-              f"{'x eager':>7} {'x comp':>7}")
-    print(header)
-    failures = 0
-    for shape, groups in _SELF_CHECK_SHAPES:
-        for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            for layout in ("contiguous", "channels_last"):
-                x = torch.randn(shape, device="cuda", dtype=dtype)
-                if layout == "channels_last":
-                    x = x.to(memory_format=torch.channels_last)
-                C = shape[1]
-                w = torch.randn(C, device="cuda", dtype=dtype)
-                b = torch.randn(C, device="cuda", dtype=dtype)
-                ref = reference_group_norm(x, groups, w, b, 1e-5)
-                y = groupnorm_cuda(x, w, b, groups)
-                err = max_error(y, ref)
-                torch_err = max_error(torch_group_norm(x, groups, w, b, 1e-5), ref)
-                same_format = y.stride() == x.stride()
-                ok = within_tolerance(err, torch_err, ref, dtype) and same_format
-                failures += not ok
-                compiled = torch.compile(lambda t: F.group_norm(t, groups, w, b, 1e-5), dynamic=False)
-                ms = _median_ms(lambda: groupnorm_cuda(x, w, b, groups))
-                eager = _median_ms(lambda: F.group_norm(x, groups, w, b, 1e-5))
-                comp = _median_ms(lambda: compiled(x))
-                kernel = plan(x, groups)["kernel"]
-                print(f"{'x'.join(map(str, shape)):>20} {groups:>3} {str(dtype)[6:]:>8} "
-                      f"{layout:>13} {kernel:>13} {err:9.2e} {torch_err:9.2e} {ms:8.4f} "
-                      f"{eager:8.4f} {comp:8.4f} {eager / ms:7.2f} {comp / ms:7.2f}"
-                      f"{'' if ok else '  MISMATCH'}")
-                torch._dynamo.reset()
-    print("self-check:", "all match" if failures == 0 else f"{failures} MISMATCH(ES)")
-    return 1 if failures else 0
-
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="groupnorm_inline.py", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command")
-    sub.add_parser("check", help="build and self-check (the default)")
-    b = sub.add_parser("bundle", help="write a standalone single-file copy with the kernels embedded")
-    b.add_argument("out", help="path of the file to write")
-    b.add_argument("--kernelbench", choices=KERNELBENCH_PROBLEMS, metavar="PROBLEM",
-                   help="write a KernelBench solution instead; problems: " + ", ".join(KERNELBENCH_PROBLEMS))
-    args = parser.parse_args(argv)
-    if args.command == "bundle":
-        try:
-            bundle(args.out, args.kernelbench)
-        except OSError as error:
-            parser.error(f"cannot write {args.out}: {error.strerror or error}")
-        print(f"wrote {args.out}")
-        return 0
-    return self_check()
+    def __init__(self, namespace):
+        self.__dict__ = namespace
 
 
 # Build (or load the cached build) on import when a GPU is present, so the
-# first call does not pay for it; GROUPNORM_INLINE_LAZY=1 defers it to first
-# use. Run as a script, the command decides (bundle needs no build).
+# first call does not pay for it (without the toolchain: one warning, and
+# group_norm falls back to torch); GROUPNORM_INLINE_LAZY=1 defers it to
+# first use. Run as a script, the command decides (bundle needs no build).
 if (__name__ != "__main__" and torch.cuda.is_available()
         and os.environ.get("GROUPNORM_INLINE_LAZY", "0") in ("", "0")):
-    load()
+    _kernels_available()
 
 if __name__ == "__main__" and "__file__" in globals():
-    sys.exit(main())
+    sys.exit(_tools().main())

@@ -7,11 +7,14 @@ the output will occupy before every call.
 """
 
 import importlib.util
+import inspect
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import groupnorm_inline as gn
+import groupnorm_tools as tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -85,6 +89,15 @@ def tolerance(x, ref, dtype, torch_err, weight):
     return 1.1 * torch_err + 0.5 * eps * ref.abs().max().item()
 
 
+class PretendCuda(torch.Tensor):
+    """A CPU tensor that says it is on a GPU: CPU tests reach the Python side
+    of the CUDA path with it (the extension stood in for, or never reached)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
 def forbid_torch_group_norm(monkeypatch):
     """Makes F.group_norm, this module's only way to torch's GroupNorm, raise:
     a test that calls it afterwards passes only through this module's kernels."""
@@ -102,7 +115,7 @@ def describe_mismatch(out, ref, tol):
 
 
 def check_against_reference(x, groups, w, b, eps=1e-5, **force):
-    ref = gn.reference_group_norm(x, groups, w, b, eps)
+    ref = tools.reference_group_norm(x, groups, w, b, eps)
     dense = x.is_contiguous() or channels_last_like(x)
     # A dense input is read in place, so the output is the first allocation;
     # others are copied first, and the copy takes one poisoned block.
@@ -116,9 +129,9 @@ def check_against_reference(x, groups, w, b, eps=1e-5, **force):
         assert y.is_contiguous()
     if x.numel() == 0:
         return y
-    torch_err = gn.max_error(gn.torch_group_norm(x, groups, w, b, eps), ref)
+    torch_err = tools.max_error(tools.torch_group_norm(x, groups, w, b, eps), ref)
     tol = tolerance(x, ref, x.dtype, torch_err, w)
-    err = gn.max_error(y, ref)
+    err = tools.max_error(y, ref)
     assert not y.isnan().any(), describe_mismatch(y, ref, tol)
     assert err <= tol, describe_mismatch(y, ref, tol)
     return y
@@ -142,15 +155,33 @@ def test_cpu_group_norm_equals_torch(shape, groups, dtype):
 
 
 BAD_INPUTS = [
-    # (description, kwargs builder, exception, message fragment)
+    # (description, args builder, exception, message fragment); each error is
+    # also checked against the type torch's group_norm raises for the same args
     ("C % G != 0", lambda: (torch.randn(2, 6, 4), 4, None, None, 1e-5), ValueError, "divisible"),
     ("G == 0", lambda: (torch.randn(2, 6, 4), 0, None, None, 1e-5), ValueError, "positive"),
     ("G < 0", lambda: (torch.randn(2, 6, 4), -2, None, None, 1e-5), ValueError, "positive"),
     ("G not int", lambda: (torch.randn(2, 6, 4), 2.0, None, None, 1e-5), TypeError, "int"),
+    ("G bool", lambda: (torch.randn(2, 6, 4), True, None, None, 1e-5), TypeError, "int"),
+    ("G 0-d float tensor", lambda: (torch.randn(2, 6, 4), torch.tensor(2.0), None, None, 1e-5),
+     TypeError, "num_groups must be an int, got a tensor"),
+    ("G 0-d bool tensor", lambda: (torch.randn(2, 6, 4), torch.tensor(True), None, None, 1e-5),
+     TypeError, "num_groups must be an int"),
+    ("G 1-d tensor", lambda: (torch.randn(2, 6, 4), torch.tensor([2]), None, None, 1e-5), TypeError,
+     "num_groups must be an int"),
     ("1-D input", lambda: (torch.randn(6), 2, None, None, 1e-5), ValueError, "(N, C, *)"),
+    ("0-D input", lambda: (torch.tensor(1.0), 1, None, None, 1e-5), ValueError, "(N, C, *)"),
     ("int input", lambda: (torch.ones(2, 6, 4, dtype=torch.int64), 2, None, None, 1e-5), TypeError, "dtype"),
     ("bool input", lambda: (torch.ones(2, 6, 4, dtype=torch.bool), 2, None, None, 1e-5), TypeError, "dtype"),
     ("complex input", lambda: (torch.randn(2, 6, 4, dtype=torch.complex64), 2, None, None, 1e-5), TypeError, "dtype"),
+    ("weight of wrong shape", lambda: (torch.randn(2, 6, 4), 2, torch.randn(5), None, 1e-5), ValueError,
+     "weight must have shape [6] (one value per channel), got [5]"),
+    ("weight of shape (C, 1)", lambda: (torch.randn(2, 6, 4), 2, torch.randn(6, 1), None, 1e-5),
+     ValueError, "weight must have shape [6]"),
+    ("bias of wrong shape", lambda: (torch.randn(2, 6, 4), 2, None, torch.randn(7), 1e-5), ValueError,
+     "bias must have shape [6] (one value per channel), got [7]"),
+    ("weight a list", lambda: (torch.randn(2, 6, 4), 2, [1.0] * 6, None, 1e-5), TypeError,
+     "weight must be a torch.Tensor or None, got list"),
+    ("bias a list", lambda: (torch.randn(2, 6, 4), 2, None, [0.0] * 6, 1e-5), TypeError, "bias must be"),
     ("negative eps", lambda: (torch.randn(2, 6, 4), 2, None, None, -1e-5), ValueError, "eps"),
     ("nan eps", lambda: (torch.randn(2, 6, 4), 2, None, None, float("nan")), ValueError, "eps"),
     ("inf eps", lambda: (torch.randn(2, 6, 4), 2, None, None, float("inf")), ValueError, "eps"),
@@ -163,14 +194,60 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("case", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
 def test_cpu_bad_input_raises_clear_error(case):
-    _, build, exc, fragment = case
+    description, build, exc, fragment = case
     args = build()
     before = args[0].clone() if isinstance(args[0], torch.Tensor) else None
-    with pytest.raises(exc, match=None) as info:
+    with pytest.raises(exc) as info:
         gn.group_norm(*args)
     assert fragment in str(info.value)
+    assert isinstance(info.value, gn.GroupNormError)
     if before is not None:
         assert torch.equal(args[0], before), "input was modified"
+    # catchable as what torch raises for the same mistake (torch takes any eps)
+    try:
+        F.group_norm(*args)
+    except Exception as error:  # noqa: BLE001 (any type: it is the point)
+        assert isinstance(info.value, type(error)), (type(error), type(info.value).__mro__)
+    else:
+        assert description.endswith(" eps"), "torch took arguments that group_norm refused"
+    # groupnorm_cuda makes the same checks, before the device's: the same
+    # type on either device (it has no rule for one value per channel)
+    if description != "one value per channel":
+        x, groups, weight, bias, eps = args
+        with pytest.raises(type(info.value)):
+            gn.groupnorm_cuda(x, weight, bias, groups, eps)
+
+
+def test_module_errors_are_catchable_as_torchs():
+    for x in (torch.ones(2, 6, 4, dtype=torch.long), torch.randn(6), torch.randn(2, 4, 3),
+              torch.randn(2, 5, 3)):
+        with pytest.raises(Exception) as theirs:  # noqa: PT011
+            nn.GroupNorm(2, 6)(x)
+        with pytest.raises(type(theirs.value)) as ours:
+            gn.GroupNorm(2, 6)(x)
+        assert isinstance(ours.value, gn.GroupNormError)
+
+
+def test_groupnorm_cuda_own_checks_on_a_pretended_gpu_tensor():
+    # what the kernels need beyond torch's rules, checked in Python too
+    x = torch.randn(2, 6, 4).as_subclass(PretendCuda)
+    with pytest.raises(TypeError, match=r"bias dtype must be x's \(torch.float32\), got torch.float16"):
+        gn.groupnorm_cuda(x, None, torch.randn(6).half(), 2)
+    with pytest.raises(RuntimeError, match=r"weight must be on x's device \(cpu\), got one on meta"):
+        gn.groupnorm_cuda(x, torch.ones(6, device="meta"), None, 2)
+    with pytest.raises(ZeroDivisionError, match="positive num_groups"):
+        gn.plan(x, 0)
+
+
+def test_zero_dim_tensors_as_num_groups_and_eps():
+    x = torch.randn(3, 6, 5)
+    for groups in (torch.tensor(2), torch.tensor(3, dtype=torch.int32), torch.tensor(2, dtype=torch.uint8)):
+        torch.testing.assert_close(gn.group_norm(x, groups), F.group_norm(x, groups), rtol=0, atol=0)
+    eps = torch.tensor(1e-2)
+    torch.testing.assert_close(gn.group_norm(x, 2, eps=eps), F.group_norm(x, 2, eps=eps), rtol=0, atol=0)
+    layer = gn.GroupNorm(torch.tensor(3), 6)
+    assert type(layer.num_groups) is int
+    torch.testing.assert_close(layer(x), nn.GroupNorm(torch.tensor(3), 6)(x), rtol=0, atol=0)
 
 
 def test_cpu_one_value_per_group_channel_block_matches_torch():
@@ -192,6 +269,8 @@ def test_cpu_affine_of_wrong_shape_raises_value_error(name):
     bad = {name: torch.randn(5)}
     with pytest.raises(ValueError, match=rf"{name} must have shape \[6\].*got \[5\]"):
         gn.group_norm(x, 2, **bad)
+    with pytest.raises(RuntimeError, match=rf"{name} must have shape \[6\].*got \[5\]"):
+        gn.group_norm(x, 2, **bad)  # torch's type for the same mistake
 
 
 def test_cpu_affine_of_another_dtype_follows_torch():
@@ -227,6 +306,40 @@ def test_groupnorm_cuda_rejects_cpu_tensor():
         gn.groupnorm_cuda(torch.randn(2, 4, 3), None, None, 2)
 
 
+def test_forcing_arguments_reach_the_extension(monkeypatch):
+    # kernel, team (team kernels) and lag (stream kernels) go to the
+    # extension's forward, plan and backward_plan, each in its own place
+    calls = []
+
+    class Extension:
+        def forward(self, x, weight, bias, groups, eps, kernel, team, lag):
+            calls.append(("forward", kernel, team, lag))
+            return x.clone(), None, None
+
+        def plan(self, x, groups, kernel, team, lag):
+            calls.append(("plan", kernel, team, lag))
+            return {"kernel": "contiguous"}
+
+        def backward_plan(self, x, groups, kernel, lag):
+            calls.append(("backward_plan", kernel, lag))
+            return {"kernel": "stream"}
+
+    monkeypatch.setattr(gn, "load", Extension)
+    x = torch.randn(2, 8, 4).as_subclass(PretendCuda)
+    gn.groupnorm_cuda(x, None, None, 2)
+    gn.groupnorm_cuda(x, None, None, 2, kernel="contiguous", team=3)
+    gn.groupnorm_cuda(x, None, None, 2, kernel="stream", lag=5)
+    assert gn.plan(x, 2, kernel="channels_last", team=4) == {"kernel": "contiguous"}
+    assert gn.plan(x, 2, kernel="stream", lag=7, backward=True) == {"kernel": "stream"}
+    assert calls == [("forward", "auto", 0, 0), ("forward", "contiguous", 3, 0),
+                     ("forward", "stream", 0, 5), ("plan", "channels_last", 4, 0),
+                     ("backward_plan", "stream", 7)]
+    with pytest.raises(ValueError, match="the backward has no teams"):
+        gn.plan(x, 2, team=2, backward=True)
+    with pytest.raises(ValueError, match="no gradients"):
+        gn.groupnorm_cuda(x.detach().requires_grad_(), None, None, 2, kernel="stream", lag=5)
+
+
 def test_module_matches_nn_groupnorm():
     ours, theirs = gn.GroupNorm(4, 12, eps=1e-3), nn.GroupNorm(4, 12, eps=1e-3)
     assert isinstance(ours, nn.GroupNorm)
@@ -246,6 +359,33 @@ def test_module_matches_nn_groupnorm():
     torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
 
 
+def test_module_takes_every_nn_groupnorm_argument():
+    theirs = inspect.signature(nn.GroupNorm.__init__).parameters
+    ours = inspect.signature(gn.GroupNorm.__init__).parameters
+    for name, parameter in theirs.items():
+        assert name in ours, name
+        assert (ours[name].kind, ours[name].default) == (parameter.kind, parameter.default), name
+
+
+@pytest.mark.parametrize("torch_takes_bias", [True, False], ids=["torch-bias", "older-torch"])
+def test_module_without_bias(torch_takes_bias, monkeypatch):
+    # older torch (no bias argument): GroupNorm drops the parameter itself
+    monkeypatch.setattr(gn, "_TORCH_GROUPNORM_TAKES_BIAS", torch_takes_bias)
+    ours, theirs = gn.GroupNorm(3, 6, bias=False), nn.GroupNorm(3, 6, bias=False)
+    assert ours.bias is None and list(ours.state_dict()) == ["weight"]
+    assert repr(ours).replace("GroupNorm", "") == repr(theirs).replace("GroupNorm", "")
+    x = torch.randn(2, 6, 5)
+    theirs.weight.data.normal_()
+    ours.load_state_dict(theirs.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+    ours.weight.data.normal_()
+    theirs.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="bias"):  # as nn.GroupNorm: the keys must match
+        ours.load_state_dict(nn.GroupNorm(3, 6).state_dict())
+    assert gn.GroupNorm(3, 6, affine=False, bias=False).weight is None
+
+
 def test_module_dtype_and_device_arguments():
     m = gn.GroupNorm(2, 4, dtype=torch.float64)
     assert m.weight.dtype == torch.float64
@@ -255,7 +395,8 @@ def test_module_dtype_and_device_arguments():
 
 def test_replace_groupnorm_keeps_parameters():
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8),
-                          nn.Sequential(nn.ReLU(), nn.GroupNorm(4, 8, affine=False)))
+                          nn.Sequential(nn.ReLU(), nn.GroupNorm(4, 8, affine=False)),
+                          nn.GroupNorm(2, 8, bias=False))
     model[1].weight.data.normal_()
     weight = model[1].weight
     x = torch.randn(2, 3, 9, 9)
@@ -265,6 +406,8 @@ def test_replace_groupnorm_keeps_parameters():
     assert type(model[1]) is gn.GroupNorm and type(model[2][1]) is gn.GroupNorm
     assert model[1].weight is weight
     assert model[2][1].weight is None
+    assert type(model[3]) is gn.GroupNorm and model[3].bias is None and model[3].weight is not None
+    assert list(model[3].state_dict()) == ["weight"] and "bias=False" in repr(model[3])
     torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
     single = gn.replace_groupnorm(nn.GroupNorm(2, 4))
     assert type(single) is gn.GroupNorm
@@ -281,18 +424,49 @@ def kernelbench_reference_model():
     return Model
 
 
-def test_modelnew_contract_on_cpu():
+def test_kernelbench_solution_contract_on_cpu(monkeypatch):
+    # The solution file run with load_inline stood in for by torch's
+    # group_norm behind the extension's forward signature: the problem's
+    # inputs, the reference Model's state_dict, and the forward's arguments.
+    from torch.utils import cpp_extension
+    calls = []
+
+    class Extension:
+        def forward(self, x, weight, bias, groups, eps, kernel, team, lag):
+            calls.append((kernel, team, lag))
+            return F.group_norm(x, groups, weight, bias, eps), None, None
+
+    monkeypatch.setattr(cpp_extension, "load_inline", lambda **kwargs: Extension())
+    kb = {}
+    exec(compile(tools.kernelbench_source("level1-35"), "kb35.py", "exec"), kb)
+    assert kb["get_init_inputs"]() == [64, 8]
+    shapes = []
+    with monkeypatch.context() as patch:  # get_inputs() is KernelBench's to call: 7.5 GB
+        patch.setattr(torch, "rand", lambda *shape, **kwargs: shapes.append(shape) or torch.empty(0))
+        kb["get_inputs"]()
+    assert shapes == [(112, 64, 512, 512)]
     Model = kernelbench_reference_model()
-    assert gn.get_init_inputs() == [64, 8]
-    assert (gn.batch_size, gn.features, gn.dim1, gn.dim2) == (112, 64, 512, 512)
-    ref = Model(*gn.get_init_inputs())
+    ref = Model(*kb["get_init_inputs"]())
     ref.gn.weight.data.normal_()
     ref.gn.bias.data.normal_()
-    new = gn.ModelNew(*gn.get_init_inputs())
+    new = kb["ModelNew"](*kb["get_init_inputs"]())
     new.load_state_dict(ref.state_dict())
     assert list(new.state_dict()) == list(ref.state_dict())
     x = torch.rand(2, 64, 8, 8)
     torch.testing.assert_close(new(x), ref(x), rtol=0, atol=0)
+    assert calls == [("auto", 0, 0)]
+
+
+def test_library_namespace_is_the_api():
+    for name in ("batch_size", "features", "num_groups", "dim1", "dim2", "get_inputs",
+                 "get_init_inputs", "ModelNew", "bundle", "bundle_source", "kernelbench_source",
+                 "self_check", "main"):
+        assert not hasattr(gn, name), name
+    assert set(gn.__all__) >= {"GroupNorm", "group_norm", "groupnorm_cuda", "replace_groupnorm",
+                               "plan", "load"}
+    namespace = {}
+    exec("from groupnorm_inline import *", namespace)
+    assert set(namespace) - {"__builtins__"} == set(gn.__all__)
 
 
 def test_extension_name_tracks_sources(monkeypatch):
@@ -324,7 +498,7 @@ def test_sources_inline_every_local_include():
 
 
 def test_bundle_imports_without_kernels_dir(tmp_path):
-    path = gn.bundle(str(tmp_path / "standalone_gn.py"))
+    path = tools.bundle(str(tmp_path / "standalone_gn.py"))
     spec = importlib.util.spec_from_file_location("standalone_gn", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -334,26 +508,54 @@ def test_bundle_imports_without_kernels_dir(tmp_path):
         assert hasattr(module, name), name
     x = torch.randn(2, 8, 3)
     torch.testing.assert_close(module.group_norm(x, 4), F.group_norm(x, 4), rtol=0, atol=0)
+    with open(os.path.join(HERE, "groupnorm_tools.py")) as f:
+        assert module._EMBEDDED_TOOLS == f.read()
+    with open(path) as f:
+        assert module._tools().bundle_source() == f.read()  # a bundle bundles itself
+
+
+def test_bundle_runs_its_command_line_from_the_embedded_tools(tmp_path):
+    # no groupnorm_tools.py and no kernels/ beside the bundle
+    path = tools.bundle(str(tmp_path / "my_groupnorm.py"))
+    env = {**os.environ, "GROUPNORM_INLINE_LAZY": "1"}
+
+    def run(*args):
+        return subprocess.run([sys.executable, path, *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True)
+
+    helped = run("--help")
+    assert helped.returncode == 0, helped.stderr
+    assert helped.stdout.startswith("usage: my_groupnorm.py"), helped.stdout
+    assert "my_groupnorm.py bundle --kernelbench" in helped.stdout
+    assert "groupnorm_inline.py" not in helped.stdout
+    exported = run("bundle", "--kernelbench", "level1-35", str(tmp_path / "kb35.py"))
+    assert exported.returncode == 0, exported.stderr
+    with open(tmp_path / "kb35.py") as f:
+        assert f.read() == tools.kernelbench_source("level1-35")
+    if not torch.cuda.is_available():
+        checked = run()
+        assert checked.returncode == 0 and "no CUDA device" in checked.stdout, checked.stderr
 
 
 def test_bundle_works_when_exec_from_string(tmp_path):
-    path = gn.bundle(str(tmp_path / "standalone_gn.py"))
+    path = tools.bundle(str(tmp_path / "standalone_gn.py"))
     with open(path) as f:
         text = f.read()
     namespace = {}
     exec(compile(text, "<string>", "exec"), namespace)
     assert namespace["sources"]() == gn.sources()
-    model = namespace["ModelNew"](8, 2)
+    layer = namespace["GroupNorm"](2, 8)
+    layer.weight.data.normal_()
     x = torch.rand(2, 8, 4, 4)
-    torch.testing.assert_close(model(x), F.group_norm(x, 2, model.gn.weight, model.gn.bias),
+    torch.testing.assert_close(layer(x), F.group_norm(x, 2, layer.weight, layer.bias),
                                rtol=0, atol=0)
 
 
 def test_kernelbench_bundle_passes_static_checks(tmp_path):
-    path = gn.bundle(str(tmp_path / "kb35.py"), kernelbench="level1-35")
+    path = tools.bundle(str(tmp_path / "kb35.py"), kernelbench="level1-35")
     with open(path) as f:
         text = f.read()
-    assert gn.kernelbench_problems(text) == []
+    assert tools.kernelbench_problems(text) == []
     assert "__global__" in text and "load_inline" in text
     compile(text, path, "exec")  # valid Python
     for name in ("class ModelNew", "def get_inputs", "def get_init_inputs"):
@@ -368,7 +570,7 @@ def test_kernelbench_bundle_passes_static_checks(tmp_path):
 ])
 def test_static_check_catches_violations(snippet, problem):
     text = "__global__ load_inline\n" + snippet
-    assert any(problem in p for p in gn.kernelbench_problems(text))
+    assert any(problem in p for p in tools.kernelbench_problems(text))
 
 
 def test_cli_bundle_and_help(tmp_path):
@@ -385,6 +587,129 @@ def test_cli_bundle_and_help(tmp_path):
                              str(missing)], capture_output=True, text=True)
     assert result.returncode == 2 and "cannot write" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_bundle_refuses_to_overwrite_what_it_did_not_write(tmp_path, capsys):
+    mine = tmp_path / "notes.py"
+    mine.write_text("print('mine')\n")
+    for args in (["bundle", str(mine)], ["bundle", "--kernelbench", "level1-35", str(mine)]):
+        with pytest.raises(SystemExit) as exited:
+            tools.main(args)
+        stderr = capsys.readouterr().err
+        assert exited.value.code == 2 and "was not written by `bundle`" in stderr, stderr
+        assert "--force" in stderr
+        assert mine.read_text() == "print('mine')\n"
+    assert tools.main(["bundle", "--force", str(mine)]) == 0
+    assert mine.read_text().startswith(tools.BUNDLE_MARKER + "\n")
+    assert tools.main(["bundle", "--kernelbench", "level1-35", str(mine)]) == 0  # a bundle now
+    assert mine.read_text() == tools.kernelbench_source("level1-35")
+
+    env = {**os.environ, "GROUPNORM_INLINE_LAZY": "1"}
+
+    def run(script, *args):
+        return subprocess.run([sys.executable, str(script), *args], cwd=os.path.dirname(script),
+                              env=env, capture_output=True, text=True)
+    # the module itself, in a copy of the checkout (a failure must not cost
+    # the real one), named as the command line names it
+    checkout = tmp_path / "checkout"
+    shutil.copytree(os.path.join(HERE, "kernels"), checkout / "kernels")
+    for name in ("groupnorm_inline.py", "groupnorm_tools.py"):
+        shutil.copy(os.path.join(HERE, name), checkout / name)
+    module = checkout / "groupnorm_inline.py"
+    text = module.read_text()
+    refused = run(module, "bundle", "groupnorm_inline.py")
+    assert refused.returncode == 2 and "is the module itself" in refused.stderr, refused.stderr
+    assert module.read_text() == text
+    # a bundle is its own module too; forced, it writes itself again
+    standalone = tools.bundle(str(tmp_path / "standalone.py"))
+    assert "is the module itself" in run(standalone, "bundle", standalone).stderr
+    with open(standalone) as f:
+        text = f.read()
+    assert run(standalone, "bundle", "--force", standalone).returncode == 0
+    with open(standalone) as f:
+        assert f.read() == text
+
+
+def test_build_command_and_version(monkeypatch, capsys):
+    # build compiles (load) for the architectures asked for and prints the
+    # name of what it built; --version prints the version
+    archs = []
+    monkeypatch.setattr(gn, "load", lambda: archs.append(os.environ["TORCH_CUDA_ARCH_LIST"]))
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "7.5")
+    assert tools.main(["build", "--arch", "8.0;9.0"]) == 0
+    assert archs == ["8.0;9.0"]
+    assert capsys.readouterr().out == gn.extension_name("8.0;9.0") + "\n"
+    for argv, code in ((["build", "--arch", "sm_90"], 2), (["build", "--help"], 0), (["--version"], 0)):
+        with pytest.raises(SystemExit) as exited:
+            tools.main(argv)
+        assert exited.value.code == code, argv
+    out, err = capsys.readouterr()
+    assert "--arch 'sm_90': expected versions such as 9.0" in err
+    assert "usage: groupnorm_inline.py build [-h] [--arch ARCHS]" in out
+    assert out.endswith(f"groupnorm_inline {gn.__version__}\n")
+    assert archs == ["8.0;9.0"]
+
+    def no_nvcc():
+        raise gn.ToolchainError("groupnorm_inline: the CUDA compiler (nvcc) was not found")
+
+    monkeypatch.setattr(gn, "load", no_nvcc)
+    with pytest.raises(SystemExit) as exited:
+        tools.main(["build"])
+    assert exited.value.code == 1
+    assert capsys.readouterr().err == "groupnorm_inline.py: groupnorm_inline: the CUDA compiler (nvcc) was not found\n"
+
+
+def without_toolchain(monkeypatch):
+    """As on a machine with no CUDA toolkit and nothing in the build cache."""
+    from torch.utils import cpp_extension
+    monkeypatch.setattr(gn, "_extension", None)
+    monkeypatch.setattr(gn, "_toolchain_error", None)
+    monkeypatch.setattr(gn, "_load_cached", lambda *args: None)
+    monkeypatch.setattr(cpp_extension, "CUDA_HOME", "/nonexistent")
+
+
+def test_missing_toolchain_falls_back_to_torch_with_one_warning(monkeypatch):
+    without_toolchain(monkeypatch)
+    x = torch.randn(2, 6, 4).as_subclass(PretendCuda)  # takes the CUDA path
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for y in (gn.group_norm(x, 2), gn.group_norm(x, 3), gn.GroupNorm(2, 6)(x)):
+            assert isinstance(y, PretendCuda)  # computed by torch, from x itself
+        assert torch.equal(gn.group_norm(x, 2), F.group_norm(x, 2))
+    messages = [str(w.message) for w in caught if "groupnorm_inline" in str(w.message)]
+    assert len(messages) == 1, messages
+    assert "nvcc" in messages[0] and "CUDA_HOME" in messages[0]
+    assert "group_norm and GroupNorm run torch's GroupNorm" in messages[0]
+    with pytest.raises(gn.ToolchainError, match=r"nvcc\) was not found \(CUDA_HOME='/nonexistent'\)"):
+        gn.groupnorm_cuda(x, None, None, 2)
+    assert issubclass(gn.ToolchainError, RuntimeError)
+
+
+def test_import_without_toolchain_warns_once_and_falls_back(tmp_path):
+    # on a GPU machine the import loads the kernels: without nvcc, one warning
+    code = "\n".join([
+        "import warnings, torch",
+        "warnings.simplefilter('always')",
+        "torch.cuda.is_available = lambda: True",
+        "import groupnorm_inline as gn",
+        "class PretendCuda(torch.Tensor):",
+        "    is_cuda = property(lambda self: True)",
+        "x = torch.randn(2, 6, 4).as_subclass(PretendCuda)",
+        "assert torch.equal(gn.group_norm(x, 2), torch.nn.functional.group_norm(x, 2))",
+        "gn.GroupNorm(2, 6)(x)",
+        "try:",
+        "    gn.groupnorm_cuda(x, None, None, 2)",
+        "except gn.ToolchainError as error:",
+        "    print('groupnorm_cuda:', error)",
+    ])
+    env = {**os.environ, "CUDA_HOME": "/nonexistent", "TORCH_EXTENSIONS_DIR": str(tmp_path),
+           "TORCH_CUDA_ARCH_LIST": "9.0"}
+    env.pop("GROUPNORM_INLINE_LAZY", None)
+    result = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("run torch's GroupNorm") == 1, result.stderr
+    assert "groupnorm_cuda: groupnorm_inline: the CUDA compiler (nvcc) was not found" in result.stdout
 
 
 def test_cached_build_loads_silently_without_the_toolchain():
@@ -962,7 +1287,7 @@ def test_gpu_nan_and_inf_propagate_like_torch(layout):
     x[0, 1, 2, 3] = float("nan")
     x[1, 9, 0, 0] = float("inf")
     y = gn.groupnorm_cuda(x, None, None, 4)
-    expected = gn.torch_group_norm(x, 4, None, None, 1e-5)
+    expected = tools.torch_group_norm(x, 4, None, None, 1e-5)
     assert torch.equal(y.isnan(), expected.isnan())
     finite = ~expected.isnan()
     torch.testing.assert_close(y[finite], expected[finite], rtol=1e-5, atol=1e-5)
@@ -1103,13 +1428,13 @@ def test_gpu_second_device():
 def test_gpu_runs_on_current_stream_and_in_cuda_graph():
     x = make_input((2, 64, 128, 128), torch.float32, "contiguous", "cuda")
     w, b = affine(64, torch.float32, "cuda", "both")
-    expected = gn.reference_group_norm(x, 2, w, b, 1e-5)
+    expected = tools.reference_group_norm(x, 2, w, b, 1e-5)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         y = gn.groupnorm_cuda(x, w, b, 2)
     torch.cuda.current_stream().wait_stream(stream)
-    assert gn.max_error(y, expected) < 1e-4
+    assert tools.max_error(y, expected) < 1e-4
     # capture with a multi-CTA team (cooperative launch + workspace memset) and replay
     plan = gn.plan(x, 2)
     assert plan["kernel"] == "contiguous" and plan["team"] > 1, plan
@@ -1123,7 +1448,7 @@ def test_gpu_runs_on_current_stream_and_in_cuda_graph():
         x.copy_(make_input(x.shape, x.dtype, "contiguous", "cuda"))
         graph.replay()
         torch.cuda.synchronize()
-        assert gn.max_error(captured, gn.reference_group_norm(x, 2, w, b, 1e-5)) < 1e-4
+        assert tools.max_error(captured, tools.reference_group_norm(x, 2, w, b, 1e-5)) < 1e-4
 
 
 # (shape, groups, layout, forced path): one case per forward launch site (the
@@ -1164,9 +1489,9 @@ def test_gpu_waits_for_work_queued_on_a_delayed_stream(shape, groups, layout, fo
 
     def check(y):
         torch.cuda.synchronize()
-        ref = gn.reference_group_norm(x, groups, w, b, 1e-5)
+        ref = tools.reference_group_norm(x, groups, w, b, 1e-5)
         tol = tolerance(x, ref, x.dtype, 0.0, w)
-        assert gn.max_error(y, ref) <= tol, describe_mismatch(y, ref, tol)
+        assert tools.max_error(y, ref) <= tol, describe_mismatch(y, ref, tol)
 
     with torch.cuda.stream(side):
         gn.groupnorm_cuda(x, w, b, groups, **force)  # warm-up: plan and kernel attributes cached
@@ -1255,7 +1580,7 @@ def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, a
     x64 = x.detach().double().requires_grad_(need_dx)
     w64 = w.detach().double().requires_grad_() if w is not None else None
     b64 = b.detach().double().requires_grad_() if b is not None else None
-    ref = gradients(lambda *t: gn.reference_group_norm(t[0], groups, t[1], t[2], 1e-5),
+    ref = gradients(lambda *t: tools.reference_group_norm(t[0], groups, t[1], t[2], 1e-5),
                     x64, w64, b64, dy.double())
     theirs = gradients(lambda *t: F.group_norm(t[0], groups, *weight_for_torch(t[0], t[1], t[2])),
                        x.detach().requires_grad_(need_dx), *(t.detach().requires_grad_() if t is not None else None
@@ -1268,8 +1593,8 @@ def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, a
             continue
         assert mine.shape == r.shape and mine.dtype == x.dtype, name
         scale = r.abs().max().item() + 1e-30
-        err = gn.max_error(mine, r)
-        torch_err = gn.max_error(t, r)
+        err = tools.max_error(mine, r)
+        torch_err = tools.max_error(t, r)
         eps = torch.finfo(x.dtype).eps
         # dx = rstd * (g - mean(g) - ...) cancels terms of size rstd * |g| in the
         # accumulation type (float32 for half types): a group of one value
@@ -1691,11 +2016,11 @@ def test_gpu_group_norm_and_module_take_cuda_path_and_match_torch(monkeypatch):
     layer.weight.data.normal_()
     reference.load_state_dict(layer.state_dict())
     with torch.no_grad():
-        ref = gn.reference_group_norm(x, 8, layer.weight, layer.bias, 1e-5)
-        torch_err = gn.max_error(reference(x), ref)
+        ref = tools.reference_group_norm(x, 8, layer.weight, layer.bias, 1e-5)
+        torch_err = tools.max_error(reference(x), ref)
         forbid_torch_group_norm(monkeypatch)
         out = layer(x)
-    assert gn.max_error(out, ref) <= tolerance(x, ref, x.dtype, torch_err, layer.weight)
+    assert tools.max_error(out, ref) <= tolerance(x, ref, x.dtype, torch_err, layer.weight)
     assert out.is_contiguous(memory_format=torch.channels_last)
     # with gradients too, both entry points record this module's backward
     x32 = make_input((2, 8, 5, 5), torch.float32, "contiguous", "cuda").requires_grad_()
@@ -1782,18 +2107,18 @@ def test_gpu_backward_more_than_2_31_elements():
 
 @cuda
 def test_gpu_bundles_run(tmp_path):
-    path = gn.bundle(str(tmp_path / "standalone_gpu.py"))
+    path = tools.bundle(str(tmp_path / "standalone_gpu.py"))
     namespace = {}
     with open(path) as f:
         exec(compile(f.read(), "<string>", "exec"), namespace)
     x = make_input((2, 32, 12, 12), torch.float16, "channels_last", "cuda")
-    ref = gn.reference_group_norm(x, 4, None, None, 1e-5)
-    torch_err = gn.max_error(gn.torch_group_norm(x, 4, None, None, 1e-5), ref)
+    ref = tools.reference_group_norm(x, 4, None, None, 1e-5)
+    torch_err = tools.max_error(tools.torch_group_norm(x, 4, None, None, 1e-5), ref)
     y, landed = poisoned(lambda: namespace["groupnorm_cuda"](x, None, None, 4), x)
     assert landed and not y.isnan().any()
-    assert gn.max_error(y, ref) <= tolerance(x, ref, x.dtype, torch_err, None)
+    assert tools.max_error(y, ref) <= tolerance(x, ref, x.dtype, torch_err, None)
 
-    kb_path = gn.bundle(str(tmp_path / "kb35_gpu.py"), kernelbench="level1-35")
+    kb_path = tools.bundle(str(tmp_path / "kb35_gpu.py"), kernelbench="level1-35")
     kb = {}
     with open(kb_path) as f:
         exec(compile(f.read(), "<string>", "exec"), kb)
