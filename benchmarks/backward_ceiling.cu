@@ -17,7 +17,7 @@
 //                    first read; a wait for every tile of its `unit` and one
 //                    block sum per second read. The arrivals and the wait are
 //                    relaxed, cheaper than the stream kernel's release and
-//                    acquire (benchmarks/README.md, run AI).
+//                    acquire (benchmarks/HISTORY.md, run AI).
 // Results are meaningless numbers; only the time is read.
 //
 // The ticket order, the hinted loads and block_sum come from kernels/ (on the

@@ -36,6 +36,7 @@ import triton.testing
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import groupnorm_inline as gn  # noqa: E402
 import groupnorm_tools as tools  # noqa: E402
+import plot_results  # noqa: E402  (beside this script; matplotlib only when it draws)
 
 # (name, shape, groups, dtype, layout)
 SUITE = [
@@ -335,34 +336,12 @@ def markdown(rows, meta):
     return "\n".join(lines)
 
 
-def chart(rows, path):
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib not installed: no chart")
-        return
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    labels = [f"{r['name']}\n{'×'.join(map(str, r['shape']))} {r['dtype']} {r['layout'][:2]}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(8, len(rows) * 0.9), 5))
-    width = 0.27
-    for i, provider in enumerate(("groupnorm_inline", "eager", "compile")):
-        ax.bar([j + (i - 1) * width for j in range(len(rows))], [pct(r, provider) for r in rows],
-               width, label=provider)
-    ax.set_xticks(range(len(rows)), labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("% of the 1-read + 1-write floor")
-    ax.axhline(100, color="gray", lw=0.5)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="a few representative cases only")
     parser.add_argument("--json", help="write raw rows here")
     parser.add_argument("--markdown", help="write the table here")
-    parser.add_argument("--png", help="write a chart here (needs matplotlib)")
+    parser.add_argument("--png", help="write a chart here (plot_results.py; needs matplotlib)")
     parser.add_argument("--training", action="store_true",
                         help="time forward + backward instead of the forward alone")
     args = parser.parse_args()
@@ -419,7 +398,10 @@ def main():
         with open(args.markdown, "w") as f:
             f.write(table + "\n")
     if args.png:
-        chart(rows, args.png)
+        try:
+            plot_results.plot(rows, meta, args.png)
+        except ImportError as error:
+            print(f"no chart: {error}")
 
 
 if __name__ == "__main__":
