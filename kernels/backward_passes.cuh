@@ -18,14 +18,14 @@
 // floor, so at the copy rate this reaches 60 % of it. Step 4 walks the tiles
 // in reverse, so its first reads hit what step 1 left in L2; inputs that fit
 // in L2 are read from DRAM about once. Inputs larger than L2 take, on the
-// terms of plan_backward (dx wanted, 16-byte vectors, and for channels-last
-// units of at most half the grid), backward_stream.cu (contiguous) or
-// backward_stream_channels_last.cu instead, which do steps 1, 2 and 4 in one
+// terms of choose_backward (dx wanted, 16-byte vectors, and for channels-last
+// units of at most half the grid), backward_stream.cuh (contiguous) or
+// backward_stream_channels_last.cuh instead, which do steps 1, 2 and 4 in one
 // launch and read each tile the second time soon after the first. mean and
 // rstd come from the forward: nothing else is saved. No atomics: results do
 // not depend on timing.
 //
-// Tiles (chosen by plan_backward on the host):
+// Tiles (chosen by choose_backward on the host):
 //   contiguous    rows of HxW (one per (sample, channel)); a row of at most
 //                 kWarpRowVecs vectors goes to one warp (8 rows per CTA),
 //                 a longer one is cut into `chunks` pieces of `chunk` vectors,

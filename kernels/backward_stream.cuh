@@ -1,17 +1,17 @@
 // GroupNorm backward for contiguous (N, C, *) input in one launch that reads
 // x and dy from DRAM about once, for inputs larger than L2.
 //
-// The four-launch backward (backward.cu) reads x and dy twice: 5 passes over
+// The four-launch backward (backward_passes.cuh) reads x and dy twice: 5 passes over
 // the input's size against the 3-pass floor (read x and dy, write dx), so at
 // most 60 % of it. Here the two reads of a tile come close together, in the
-// ticket order of stream_order.cuh:
+// ticket order of stream.cuh:
 //   first read  (sums)  the tile's sum(dy) and sum(dy * (x - mean)) -> its
 //                       partial pair, then the unit's (sample, group)
 //                       arrival count;
 //   second read (dx)    `lag` tiles later, while L2 should still hold the
 //                       tile: loads x and dy, waits until every tile of the
 //                       unit has arrived (rarely: the lag covers a unit and
-//                       most items in flight, plan_backward_stream), adds the
+//                       most items in flight, choose_backward), adds the
 //                       unit's pairs weighted by gamma into its coefficients
 //                       and writes dx.
 // Each dx item adding its unit's pairs (D x chunks of them, at most one a

@@ -1,6 +1,6 @@
 // GroupNorm backward for large channels-last input ((N, HxW, C) in memory) in
-// one launch: the stream backward of backward_stream.cu with the unit of the
-// channels-last forward stream (forward_stream_channels_last.cu), a sample or
+// one launch: the stream backward of backward_stream.cuh with the unit of the
+// channels-last forward stream (forward_stream_channels_last.cuh), a sample or
 // a block of whole groups of a sample.
 //
 // A tile is `chunk` consecutive rows (positions) of a unit's channels. The
@@ -13,7 +13,7 @@
 //                       sum(dy * (x - mean)) -> its channel pairs (only for
 //                       dgamma and dbeta). Then the unit's arrival count.
 //   second read (dx)    `lag` tiles later, in the ticket order of
-//                       stream_order.cuh: loads x and dy, waits until every
+//                       stream.cuh: loads x and dy, waits until every
 //                       tile of the unit has arrived, adds the unit's group
 //                       pairs itself and writes dx.
 // Each dx item adding the group pairs (tiles x groups of the unit, a few per

@@ -1,5 +1,5 @@
 // GroupNorm forward for large channels-last input ((N, HxW, C) in memory):
-// the ticket-ordered stream of forward_stream.cu with a sample, or a block of
+// the ticket-ordered stream of forward_stream.cuh with a sample, or a block of
 // whole groups of a sample, as the unit.
 //
 // A sample's rows each hold all G groups. The channels are cut into `blocks`
@@ -9,7 +9,7 @@
 // still holds it. A statistics item computes the piece's (mean, M2) for every
 // group of the unit; a normalise item, `lag` pieces later in ticket order,
 // loads the piece again and writes y. Ticket order, ring of slots and the
-// deadlock argument are those of forward_stream.cu, with a unit's G partials
+// deadlock argument are those of forward_stream.cuh, with a unit's G partials
 // per piece instead of one. L2 still holds a piece at its second read when a
 // unit is smaller than about a quarter of L2 (lag >= pieces per unit); larger
 // units read much of x twice, as every other kernel must once a unit no
@@ -19,7 +19,7 @@
 //  - each: when a unit's partials are few next to a piece's bytes, every
 //    normalise item waits until all the unit's statistics items have arrived
 //    and merges the unit's partials itself, in piece order (as in
-//    forward_stream.cu; piece 0's item writes mean and rstd);
+//    forward_stream.cuh; piece 0's item writes mean and rstd);
 //  - once: one CTA merging every partial of a large unit (a 64 MiB sample
 //    without blocks: 4096 pieces x 32 groups) would hold up each normalise
 //    item of that unit, so the merge is two-level: the CTA that finishes the
