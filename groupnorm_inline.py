@@ -651,6 +651,12 @@ class GroupNorm(nn.GroupNorm):
             if not bias:
                 self.register_parameter("bias", None)
 
+    def extra_repr(self):
+        text = super().extra_repr()
+        if self.affine and self.bias is None and "bias=" not in text:
+            text += ", bias=False"  # as torch 2.14 shows it; older torch has no bias argument
+        return text
+
     def forward(self, input):
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
 

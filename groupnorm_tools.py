@@ -166,7 +166,10 @@ def kernelbench_source(problem="level1-35"):
     cpp, cuda = lib.sources()
     text = _KERNELBENCH_TEMPLATE.format(
         version=lib.__version__, cpp=_raw_literal(cpp), cuda=_raw_literal(cuda),
-        name=lib.extension_name(), functions=lib._FUNCTIONS, flags=lib._CUDA_FLAGS,
+        # its own name: load_inline builds another library (forward alone)
+        # and must not replace the module's cached build
+        name=lib.extension_name().replace("groupnorm_inline_", "groupnorm_kernelbench_"),
+        functions=lib._FUNCTIONS, flags=lib._CUDA_FLAGS,
         forward=KERNELBENCH_FORWARD, **KERNELBENCH_PROBLEMS[problem])
     problems = kernelbench_problems(text)
     if problems:
