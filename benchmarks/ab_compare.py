@@ -59,8 +59,8 @@ def worker(root, out):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("before")
-    parser.add_argument("after")
+    parser.add_argument("before", nargs="?")
+    parser.add_argument("after", nargs="?")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", help="write per-round times and medians here")
     parser.add_argument("--limit", type=float, default=1.02, help="allowed after / before")
