@@ -102,17 +102,19 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
         copy_to_shared_async(reinterpret_cast<VecT*>(ks + r * C),
                              reinterpret_cast<const VecT*>(src));
       }
-      load_each<kRowUnroll, scalar_t, V>(nkept + row_lane, rows, rows_per_step, ldc,
-                                         [&](int64_t, const VecT& v) {
-                                           const A inv = reciprocal(A(++run_n));
+      load_each<kRowUnroll, scalar_t, V>(
+          nkept + row_lane, rows, rows_per_step, ldc,
+          [&](int64_t, const VecT& v) {
+            const A inv = reciprocal(A(++run_n));
 #pragma unroll
-                                           for (int e = 0; e < V; ++e) {
-                                             const A xe = static_cast<A>(v.val[e]);
-                                             const A d = xe - run_mean[e];
-                                             run_mean[e] += d * inv;
-                                             run_m2[e] += d * (xe - run_mean[e]);
-                                           }
-                                         }, xs);
+            for (int e = 0; e < V; ++e) {
+              const A xe = static_cast<A>(v.val[e]);
+              const A d = xe - run_mean[e];
+              run_mean[e] += d * inv;
+              run_m2[e] += d * (xe - run_mean[e]);
+            }
+          },
+          xs);
 #pragma unroll
       for (int e = 0; e < V; ++e) sum[e] = A(run_n) * (run_mean[e] - shift[e]);
       copy_to_shared_wait();

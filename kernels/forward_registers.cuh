@@ -148,7 +148,8 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
       } else {  // a vector spans V channels
         const int64_t c = c_first + (i % cols) * V;
 #pragma unroll
-        for (int e = 0; e < V; ++e) out.val[e] = normalise(v.val[e], mu, channel_affine(c + e, rs, gamma, beta));
+        for (int e = 0; e < V; ++e)
+          out.val[e] = normalise(v.val[e], mu, channel_affine(c + e, rs, gamma, beta));
       }
       store_vec_streaming<scalar_t, V>(y + base + offset(i), out);
     }

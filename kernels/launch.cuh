@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "launchers.h"
+#include "vec.cuh"
 
 namespace groupnorm {
 
@@ -47,6 +48,49 @@ void launch_kernel(void (*kernel)(Params...), const LaunchShape& shape, cudaStre
   config.numAttrs = count;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
+
+// A call's pointers typed for scalar_t, accumulators in acc_t<scalar_t>.
+template <typename scalar_t>
+struct TypedForward {
+  using A = acc_t<scalar_t>;
+  const scalar_t* x;
+  const scalar_t* gamma;
+  const scalar_t* beta;
+  scalar_t* y;
+  A* mean;
+  A* rstd;
+  A eps;
+  explicit TypedForward(const ForwardArgs& a)
+      : x(static_cast<const scalar_t*>(a.x)),
+        gamma(static_cast<const scalar_t*>(a.gamma)),
+        beta(static_cast<const scalar_t*>(a.beta)),
+        y(static_cast<scalar_t*>(a.y)),
+        mean(static_cast<A*>(a.mean)),
+        rstd(static_cast<A*>(a.rstd)),
+        eps(A(a.eps)) {}
+};
+
+template <typename scalar_t>
+struct TypedBackward {
+  using A = acc_t<scalar_t>;
+  const scalar_t* dy;
+  const scalar_t* x;
+  const A* mean;
+  const A* rstd;
+  const scalar_t* gamma;
+  scalar_t* dx;
+  scalar_t* dgamma;
+  scalar_t* dbeta;
+  explicit TypedBackward(const BackwardArgs& a)
+      : dy(static_cast<const scalar_t*>(a.dy)),
+        x(static_cast<const scalar_t*>(a.x)),
+        mean(static_cast<const A*>(a.mean)),
+        rstd(static_cast<const A*>(a.rstd)),
+        gamma(static_cast<const scalar_t*>(a.gamma)),
+        dx(static_cast<scalar_t*>(a.dx)),
+        dgamma(static_cast<scalar_t*>(a.dgamma)),
+        dbeta(static_cast<scalar_t*>(a.dbeta)) {}
+};
 
 // Calls f(std::integral_constant<int, v>) for the vector widths a kernel is
 // built for: up to kMaxBytes per access.

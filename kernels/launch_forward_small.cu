@@ -23,20 +23,18 @@ const void* registers_kernel(int vec, int items) {
 template <typename scalar_t>
 void launch_reference(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream) {
-  using A = acc_t<scalar_t>;
   const int64_t stride_c = p.channels_last ? 1 : p.HxW;
   const int64_t stride_s = p.channels_last ? p.C : 1;
+  const TypedForward<scalar_t> f(a);
   launch_kernel(&groupnorm_forward_reference_kernel<scalar_t>, {plan.grid, plan.threads}, stream,
-                static_cast<const scalar_t*>(a.x), static_cast<const scalar_t*>(a.gamma),
-                static_cast<const scalar_t*>(a.beta), static_cast<scalar_t*>(a.y),
-                static_cast<A*>(a.mean), static_cast<A*>(a.rstd), p.N, p.HxW, p.G, int(p.D()),
-                p.C * p.HxW, stride_c, stride_s, A(a.eps));
+                f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, p.N, p.HxW, p.G, int(p.D()), p.C * p.HxW,
+                stride_c, stride_s, f.eps);
 }
 
 template <typename scalar_t>
 void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream) {
-  using A = acc_t<scalar_t>;
+  const TypedForward<scalar_t> f(a);
   const RegistersConfig& r = plan.registers;
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
@@ -45,18 +43,15 @@ void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardAr
                             : &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersManyItems>;
     LaunchShape shape{plan.grid, plan.threads};
     shape.cluster = r.ranks;
-    launch_kernel(kernel, shape, stream, static_cast<const scalar_t*>(a.x),
-                  static_cast<const scalar_t*>(a.gamma), static_cast<const scalar_t*>(a.beta),
-                  static_cast<scalar_t*>(a.y), static_cast<A*>(a.mean), static_cast<A*>(a.rstd),
-                  plan.units, int(p.HxW), p.C, p.G, int(p.D()), p.channels_last, r.ranks,
-                  A(a.eps));
+    launch_kernel(kernel, shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, plan.units,
+                  int(p.HxW), p.C, p.G, int(p.D()), p.channels_last, r.ranks, f.eps);
   });
 }
 
-#define GROUPNORM_INSTANTIATE_SMALL(T)                                                   \
-  template const void* registers_kernel<T>(int, int);                                    \
+#define GROUPNORM_INSTANTIATE_SMALL(T)                                                      \
+  template const void* registers_kernel<T>(int, int);                                       \
   template void launch_reference<T>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
-                                    cudaStream_t);                                       \
+                                    cudaStream_t);                                          \
   template void launch_registers<T>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
                                     cudaStream_t);
 GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_SMALL)

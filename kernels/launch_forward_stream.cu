@@ -10,7 +10,8 @@ template <typename scalar_t>
 const void* stream_kernel(int vec) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
-    kernel = reinterpret_cast<const void*>(&groupnorm_stream_kernel<scalar_t, decltype(v)::value, false>);
+    kernel = reinterpret_cast<const void*>(
+        &groupnorm_stream_kernel<scalar_t, decltype(v)::value, false>);
   });
   return kernel;
 }
@@ -20,12 +21,7 @@ void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs&
                    WorkspaceAllocator& alloc, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
   const StreamConfig& s = plan.stream;
-  const auto x = static_cast<const scalar_t*>(a.x);
-  const auto gamma = static_cast<const scalar_t*>(a.gamma);
-  const auto beta = static_cast<const scalar_t*>(a.beta);
-  const auto y = static_cast<scalar_t*>(a.y);
-  const auto mean = static_cast<A*>(a.mean);
-  const auto rstd = static_cast<A*>(a.rstd);
+  const TypedForward<scalar_t> f(a);
   const int D = int(p.D());
   const StreamOrder order{plan.units * s.pieces, s.lag};
   const LaunchShape shape{plan.grid, plan.threads, plan.smem};
@@ -40,9 +36,9 @@ void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs&
     constexpr int V = decltype(v)::value;
     launch_kernel(s.each_merges ? &groupnorm_stream_kernel<scalar_t, V, true>
                                 : &groupnorm_stream_kernel<scalar_t, V, false>,
-                  shape, stream, x, gamma, beta, y, mean, rstd,
+                  shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
                   reinterpret_cast<A*>(base + partial_at), counters.bind(base), L, p.HxW, p.G, D,
-                  s.pieces, s.slots, order, hxw_div, fast_div, A(a.eps));
+                  s.pieces, s.slots, order, hxw_div, fast_div, f.eps);
   });
 }
 

@@ -21,12 +21,7 @@ void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, cons
                                  WorkspaceAllocator& alloc, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
   const StreamConfig& s = plan.stream;
-  const auto x = static_cast<const scalar_t*>(a.x);
-  const auto gamma = static_cast<const scalar_t*>(a.gamma);
-  const auto beta = static_cast<const scalar_t*>(a.beta);
-  const auto y = static_cast<scalar_t*>(a.y);
-  const auto mean = static_cast<A*>(a.mean);
-  const auto rstd = static_cast<A*>(a.rstd);
+  const TypedForward<scalar_t> f(a);
   const int D = int(p.D());
   const StreamOrder order{plan.units * s.pieces, s.lag};
   const LaunchShape shape{plan.grid, plan.threads, plan.smem};
@@ -43,16 +38,16 @@ void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, cons
     constexpr int V = decltype(v)::value;
     launch_kernel(s.each_merges ? &groupnorm_stream_channels_last_kernel<scalar_t, V, true>
                                 : &groupnorm_stream_channels_last_kernel<scalar_t, V, false>,
-                  shape, stream, x, gamma, beta, y, mean, rstd, piece_partial, chunk_partial,
-                  counters.bind(base), p.HxW, int(p.C), s.blocks, unit_groups, D,
-                  s.rows_per_step, s.pieces, s.chunk, s.slots, order, A(a.eps));
+                  shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, piece_partial,
+                  chunk_partial, counters.bind(base), p.HxW, int(p.C), s.blocks, unit_groups, D,
+                  s.rows_per_step, s.pieces, s.chunk, s.slots, order, f.eps);
   });
 }
 
-#define GROUPNORM_INSTANTIATE_STREAM_ROWS(T)                                                      \
-  template const void* stream_channels_last_kernel<T>(int);                                       \
-  template void launch_stream_channels_last<T>(const ForwardPlan&, const Problem&,                \
-                                               const ForwardArgs&, WorkspaceAllocator&, cudaStream_t);
+#define GROUPNORM_INSTANTIATE_STREAM_ROWS(T)                \
+  template const void* stream_channels_last_kernel<T>(int); \
+  template void launch_stream_channels_last<T>(             \
+      const ForwardPlan&, const Problem&, const ForwardArgs&, WorkspaceAllocator&, cudaStream_t);
 GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_STREAM_ROWS)
 #undef GROUPNORM_INSTANTIATE_STREAM_ROWS
 

@@ -13,9 +13,10 @@ const void* team_kernel(bool channels_last, int vec) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
-    kernel = channels_last
-                 ? reinterpret_cast<const void*>(&groupnorm_forward_channels_last_kernel<scalar_t, V>)
-                 : reinterpret_cast<const void*>(&groupnorm_forward_contiguous_kernel<scalar_t, V>);
+    kernel =
+        channels_last
+            ? reinterpret_cast<const void*>(&groupnorm_forward_channels_last_kernel<scalar_t, V>)
+            : reinterpret_cast<const void*>(&groupnorm_forward_contiguous_kernel<scalar_t, V>);
   });
   return kernel;
 }
@@ -46,12 +47,7 @@ void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a
                  WorkspaceAllocator& alloc, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
   const TeamConfig& t = plan.team;
-  const auto x = static_cast<const scalar_t*>(a.x);
-  const auto gamma = static_cast<const scalar_t*>(a.gamma);
-  const auto beta = static_cast<const scalar_t*>(a.beta);
-  const auto y = static_cast<scalar_t*>(a.y);
-  const auto mean = static_cast<A*>(a.mean);
-  const auto rstd = static_cast<A*>(a.rstd);
+  const TypedForward<scalar_t> f(a);
   LaunchShape shape{plan.grid, plan.threads, plan.smem};
   shape.cooperative = t.team > 1;
   const int D = int(p.D());
@@ -60,9 +56,9 @@ void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a
     const auto ws = team_workspace<A>(plan, unit_groups, alloc);
     with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
       launch_kernel(&groupnorm_forward_channels_last_kernel<scalar_t, decltype(v)::value>, shape,
-                    stream, x, gamma, beta, y, mean, rstd, ws, plan.units, p.HxW, int(p.C),
-                    t.blocks, int(p.C / t.blocks), unit_groups, D, t.rows_per_step, t.team,
-                    t.slice, t.kept, A(a.eps));
+                    stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, ws, plan.units, p.HxW,
+                    int(p.C), t.blocks, int(p.C / t.blocks), unit_groups, D, t.rows_per_step,
+                    t.team, t.slice, t.kept, f.eps);
     });
     return;
   }
@@ -71,9 +67,9 @@ void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a
   const bool fast_div = p.HxW + slice_elems < (int64_t(1) << 31);
   const FastDivider hxw_div(fast_div ? uint32_t(p.HxW) : 1u);
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
-    launch_kernel(&groupnorm_forward_contiguous_kernel<scalar_t, decltype(v)::value>, shape,
-                  stream, x, gamma, beta, y, mean, rstd, ws, plan.units, int64_t(D) * p.HxW,
-                  p.HxW, p.G, D, t.team, slice_elems, t.kept, hxw_div, fast_div, A(a.eps));
+    launch_kernel(&groupnorm_forward_contiguous_kernel<scalar_t, decltype(v)::value>, shape, stream,
+                  f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, ws, plan.units, int64_t(D) * p.HxW,
+                  p.HxW, p.G, D, t.team, slice_elems, t.kept, hxw_div, fast_div, f.eps);
   });
 }
 

@@ -21,8 +21,7 @@ GROUPNORM_HOST_DEVICE constexpr int64_t round_up_to_16(int64_t bytes) {
 }
 
 // Dynamic shared memory of a team kernel (SharedLayout in team.cuh).
-inline size_t team_shared_bytes(size_t slice_bytes, int red_entries, int groups,
-                                size_t acc_size) {
+inline size_t team_shared_bytes(size_t slice_bytes, int red_entries, int groups, size_t acc_size) {
   return size_t(round_up_to_16(int64_t(slice_bytes))) +
          (size_t(red_entries) + 4 * size_t(groups)) * acc_size;
 }

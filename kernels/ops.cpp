@@ -143,8 +143,12 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Ten
   const ForwardPlan plan = choose_forward(c.problem, Request{kernel, team, lag});
   const cudaStream_t stream = current_stream(x);
   TensorWorkspace workspace(y, stream);
-  const ForwardArgs args{c.x.data_ptr(),    data_or_null(c.gamma), data_or_null(c.beta),
-                         y.data_ptr(),      mean.data_ptr(),       rstd.data_ptr(),
+  const ForwardArgs args{c.x.data_ptr(),
+                         data_or_null(c.gamma),
+                         data_or_null(c.beta),
+                         y.data_ptr(),
+                         mean.data_ptr(),
+                         rstd.data_ptr(),
                          eps};
   with_dtype(c.problem.dtype, [&](auto tag) {
     using scalar_t = typename decltype(tag)::type;
@@ -182,12 +186,11 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
                             " but input is on ", x.device()));
   const Problem& p = c.problem;
   for (const at::Tensor* t : {&mean, &rstd}) {
-    TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == p.N && t->size(1) == groups &&
-                          t->scalar_type() == acc_dtype(x) && t->device() == x.device() &&
-                          t->is_contiguous(),
-                      message("groupnorm backward: mean and rstd must be contiguous [", p.N, ", ",
-                              groups, "] ", c10::toString(acc_dtype(x)), " tensors on ",
-                              x.device()));
+    TORCH_CHECK_VALUE(
+        t->dim() == 2 && t->size(0) == p.N && t->size(1) == groups &&
+            t->scalar_type() == acc_dtype(x) && t->device() == x.device() && t->is_contiguous(),
+        message("groupnorm backward: mean and rstd must be contiguous [", p.N, ", ", groups, "] ",
+                c10::toString(acc_dtype(x)), " tensors on ", x.device()));
   }
   const auto empty = [&] { return at::empty({0}, x.options()); };
   if (!need_dx && !need_affine) return {empty(), empty(), empty()};  // nothing to compute
@@ -220,7 +223,8 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
                           need_affine ? dbeta.data_ptr() : nullptr};
   with_dtype(p.dtype, [&](auto tag) {
     using scalar_t = typename decltype(tag)::type;
-    if (plan.kernel == BackwardKernel::Stream || plan.kernel == BackwardKernel::StreamChannelsLast) {
+    if (plan.kernel == BackwardKernel::Stream ||
+        plan.kernel == BackwardKernel::StreamChannelsLast) {
       launch_backward_stream<scalar_t>(plan, both, args, workspace, stream);
     } else {
       launch_backward_passes<scalar_t>(plan, both, args, workspace, stream);
@@ -232,7 +236,8 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
 PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
                         int64_t team, int64_t lag) {
   Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
-  if (x.numel() == 0) return {{"kernel", std::string("none")}, {"reason", std::string("empty input: no launch")}};
+  if (x.numel() == 0)
+    return {{"kernel", std::string("none")}, {"reason", std::string("empty input: no launch")}};
   const c10::cuda::CUDAGuard guard(x.device());
   return describe(choose_forward(c.problem, Request{kernel, team, lag}), c.problem);
 }
@@ -240,7 +245,8 @@ PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& 
 PlanFields backward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
                          int64_t lag) {
   Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
-  if (x.numel() == 0) return {{"kernel", std::string("none")}, {"reason", std::string("empty input: no launch")}};
+  if (x.numel() == 0)
+    return {{"kernel", std::string("none")}, {"reason", std::string("empty input: no launch")}};
   const c10::cuda::CUDAGuard guard(x.device());
   return describe(choose_backward(c.problem, true, Request{kernel, 0, lag}), c.problem);
 }

@@ -33,5 +33,5 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
 // laid out like it (dx wanted). Empty input: no launch, no fields but that.
 groupnorm::PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
                                    int64_t team, int64_t lag);
-groupnorm::PlanFields backward_plan(const at::Tensor& x, int64_t groups,
-                                    const std::string& kernel, int64_t lag);
+groupnorm::PlanFields backward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
+                                    int64_t lag);

@@ -38,7 +38,7 @@ struct Request {
   bool automatic() const { return kernel == "auto"; }
 };
 
-struct TeamConfig {  // Contiguous, ChannelsLast
+struct TeamConfig {       // Contiguous, ChannelsLast
   int team = 1;           // CTAs per unit
   int64_t slice = 0;      // items per CTA: vectors (contiguous) or rows (channels-last)
   int64_t kept = 0;       // items of the slice held in shared memory
@@ -46,20 +46,20 @@ struct TeamConfig {  // Contiguous, ChannelsLast
   int rows_per_step = 1;  // channels-last: rows a CTA sweeps side by side
 };
 
-struct StreamConfig {  // Stream, StreamChannelsLast
-  int64_t pieces = 0;      // pieces per unit
-  int64_t piece = 0;       // items per piece: vectors (contiguous) or rows (channels-last)
-  int64_t lag = 0;         // pieces the statistics run ahead of the normalisation
-  int64_t slots = 0;       // units whose piece statistics are kept at once
+struct StreamConfig {        // Stream, StreamChannelsLast
+  int64_t pieces = 0;        // pieces per unit
+  int64_t piece = 0;         // items per piece: vectors (contiguous) or rows (channels-last)
+  int64_t lag = 0;           // pieces the statistics run ahead of the normalisation
+  int64_t slots = 0;         // units whose piece statistics are kept at once
   bool each_merges = false;  // every normalise item merges its unit's partials
-  int64_t chunk = 0;       // channels-last: pieces per first-level merge
-  int blocks = 1;          // channels-last: units per sample
-  int rows_per_step = 1;   // channels-last
+  int64_t chunk = 0;         // channels-last: pieces per first-level merge
+  int blocks = 1;            // channels-last: units per sample
+  int rows_per_step = 1;     // channels-last
 };
 
 struct RegistersConfig {  // Registers
-  int items = 0;  // vectors a thread holds
-  int ranks = 1;  // CTAs per group (a cluster when > 1)
+  int items = 0;          // vectors a thread holds
+  int ranks = 1;          // CTAs per group (a cluster when > 1)
 };
 
 struct ForwardPlan {

@@ -58,9 +58,9 @@ void plan_stream(BackwardPlan& plan, const Problem& p, int blocks, int64_t force
       int64_t(blocks_per_sm(kernel, p.device, kBackwardThreads, 0)) * p.dev->sms;
   TORCH_CHECK(resident > 0, "groupnorm backward: the stream kernel does not fit on this device");
   plan.grid = std::min({resident, 2 * t.tiles, kMaxGrid});
-  const int64_t in_flight = p.channels_last
-                                ? plan.grid
-                                : std::min(unit_tiles + plan.grid / 2, std::max(unit_tiles, plan.grid));
+  const int64_t in_flight =
+      p.channels_last ? plan.grid
+                      : std::min(unit_tiles + plan.grid / 2, std::max(unit_tiles, plan.grid));
   plan.lag = std::min(t.tiles, std::max(unit_tiles, forced_lag > 0 ? forced_lag : in_flight));
 }
 
@@ -134,18 +134,21 @@ BackwardPlan choose_backward(const Problem& p, bool need_dx, const Request& req)
   const std::string& k = req.kernel;
   TORCH_CHECK_VALUE(k == "auto" || k == "passes" || k == "stream",
                     message("groupnorm backward: kernel must be \"auto\", \"passes\" or "
-                            "\"stream\", got \"", k, "\""));
+                            "\"stream\", got \"",
+                            k, "\""));
   TORCH_CHECK_VALUE(req.lag >= 0, message("groupnorm backward: lag must be >= 0, got ", req.lag));
-  TORCH_CHECK_VALUE(req.team == 0, "groupnorm backward: team= applies to the forward's team kernels");
+  TORCH_CHECK_VALUE(req.team == 0,
+                    "groupnorm backward: team= applies to the forward's team kernels");
   TORCH_CHECK_VALUE(req.lag == 0 || k == "stream",
                     "groupnorm backward: lag= sets the stream kernel's lag (kernel='stream')");
-  TORCH_CHECK_VALUE(k != "stream" || need_dx, "groupnorm backward: the stream kernel needs dx wanted");
+  TORCH_CHECK_VALUE(k != "stream" || need_dx,
+                    "groupnorm backward: the stream kernel needs dx wanted");
   const bool automatic = k == "auto" && need_dx && p.larger_than_l2();
   if (!p.channels_last) {
     BackwardPlan plan;
     plan.vec = widest_vector(p, {p.HxW});
-    if (k == "stream" || (automatic && plan.vec * p.elem == 16 &&
-                          p.HxW / plan.vec >= kStreamBackwardTileVecs)) {
+    if (k == "stream" ||
+        (automatic && plan.vec * p.elem == 16 && p.HxW / plan.vec >= kStreamBackwardTileVecs)) {
       plan_stream(plan, p, 1, req.lag);
       plan.reason = k == "stream" ? "stream requested" : "input at least L2's size";
       return plan;
@@ -159,8 +162,9 @@ BackwardPlan choose_backward(const Problem& p, bool need_dx, const Request& req)
     const int64_t cols = p.C / blocks / plan.vec;
     TORCH_CHECK_VALUE(k != "stream" || cols <= kBackwardThreads,
                       message("groupnorm backward: the stream kernel for channels-last input "
-                              "needs C / ", blocks * plan.vec, " <= ", kBackwardThreads,
-                              ", got C = ", p.C, " (kernel=\"passes\" takes any C)"));
+                              "needs C / ",
+                              blocks * plan.vec, " <= ", kBackwardThreads, ", got C = ", p.C,
+                              " (kernel=\"passes\" takes any C)"));
     if (k == "stream" || (automatic && cols <= kBackwardThreads)) {
       plan_stream(plan, p, blocks, req.lag);
       if (k == "stream" || stream_channels_last_suits(plan, p)) {

@@ -165,8 +165,8 @@ std::optional<ForwardPlan> team_channels_last(const Problem& p, bool forced, int
   if (C / v > kChannelsLastMaxThreads) v = widest_vector(p, {p.C, C});
   const int64_t cols = C / v;
   TORCH_CHECK(!forced || cols <= kChannelsLastMaxThreads,
-              message("groupnorm: the channels_last kernel needs C / ", v, " <= ",
-                      kChannelsLastMaxThreads, ", got C = ", p.C));
+              message("groupnorm: the channels_last kernel needs C / ", v,
+                      " <= ", kChannelsLastMaxThreads, ", got C = ", p.C));
   if (cols > kChannelsLastMaxThreads) return std::nullopt;
   ForwardPlan plan;
   plan.kernel = ForwardKernel::ChannelsLast;
@@ -175,11 +175,10 @@ std::optional<ForwardPlan> team_channels_last(const Problem& p, bool forced, int
   plan.team.rows_per_step = int(std::max<int64_t>(1, kContiguousThreads / cols));
   plan.threads = int((cols * plan.team.rows_per_step + kWarp - 1) / kWarp * kWarp);
   plan.units = p.N * blocks;
-  const void* kernel = with_dtype(p.dtype, [&](auto tag) {
-    return team_kernel<typename decltype(tag)::type>(true, v);
-  });
-  plan_teams(plan, p, kernel, p.HxW, C * p.elem, p.G / blocks,
-             plan.team.rows_per_step * int(C), forced_team);
+  const void* kernel = with_dtype(
+      p.dtype, [&](auto tag) { return team_kernel<typename decltype(tag)::type>(true, v); });
+  plan_teams(plan, p, kernel, p.HxW, C * p.elem, p.G / blocks, plan.team.rows_per_step * int(C),
+             forced_team);
   return plan;
 }
 
@@ -225,9 +224,8 @@ ForwardPlan stream_contiguous(const Problem& p, int64_t forced_lag) {
   s.piece = kStreamPieceVecs;
   const int64_t items = p.D() * p.HxW / plan.vec;
   const int64_t pieces = (items + s.piece - 1) / s.piece;
-  const void* kernel = with_dtype(p.dtype, [&](auto tag) {
-    return stream_kernel<typename decltype(tag)::type>(plan.vec);
-  });
+  const void* kernel = with_dtype(
+      p.dtype, [&](auto tag) { return stream_kernel<typename decltype(tag)::type>(plan.vec); });
   plan_stream(plan, p, kernel, pieces, s.piece * plan.vec * p.elem, 1, forced_lag);
   // Every normalise item merges its unit's partials itself when fewer than
   // three quarters of the items in flight separate a unit's last statistics
@@ -239,12 +237,12 @@ ForwardPlan stream_contiguous(const Problem& p, int64_t forced_lag) {
 
 // The channels-last stream kernel over rows, or nothing when it does not
 // suit the problem (`forced`: whenever a unit's row fits one block).
-std::optional<ForwardPlan> stream_channels_last(const Problem& p, bool forced,
-                                                int64_t forced_lag) {
+std::optional<ForwardPlan> stream_channels_last(const Problem& p, bool forced, int64_t forced_lag) {
   const int blocks = group_blocks(p, std::numeric_limits<int64_t>::max());
   const int64_t unit_C = p.C / blocks;
   const int G = p.G / blocks;  // per unit
-  const int v = widest_vector(p, {p.C, p.D()});  // V divides C / G: a thread's channels lie in one group
+  const int v =
+      widest_vector(p, {p.C, p.D()});  // V divides C / G: a thread's channels lie in one group
   const int64_t cols = unit_C / v;
   TORCH_CHECK_VALUE(!forced || cols <= kStreamThreads,
                     message("groupnorm: the stream kernel for channels-last input needs C / ",
@@ -363,15 +361,17 @@ void check_request(const Problem& p, const Request& req) {
   TORCH_CHECK_VALUE(p.channels_last ? k != "contiguous" : k != "channels_last",
                     message("groupnorm: kernel '", k, "' does not match the input's layout (",
                             p.channels_last ? "channels_last" : "contiguous", ")"));
-  TORCH_CHECK_VALUE(req.team >= 0 && req.lag >= 0,
-                    message("groupnorm: team and lag must be >= 0, got team=", req.team,
-                            ", lag=", req.lag));
+  TORCH_CHECK_VALUE(
+      req.team >= 0 && req.lag >= 0,
+      message("groupnorm: team and lag must be >= 0, got team=", req.team, ", lag=", req.lag));
   TORCH_CHECK_VALUE(req.team == 0 || k == "contiguous" || k == "channels_last",
                     message("groupnorm: team= sets the CTAs per unit of the team kernels "
-                            "(kernel='contiguous' or 'channels_last'), not of kernel '", k, "'"));
+                            "(kernel='contiguous' or 'channels_last'), not of kernel '",
+                            k, "'"));
   TORCH_CHECK_VALUE(req.lag == 0 || k == "stream",
                     message("groupnorm: lag= sets the stream kernels' lag (kernel='stream'), not "
-                            "that of kernel '", k, "'"));
+                            "that of kernel '",
+                            k, "'"));
 }
 
 }  // namespace

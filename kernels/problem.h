@@ -17,8 +17,8 @@ struct Problem {
   int G;
   bool channels_last;  // x is (N, HxW, C) in memory
   c10::ScalarType dtype;
-  int64_t elem;   // bytes per element
-  int64_t acc;    // bytes per accumulator (float, or double for double)
+  int64_t elem;    // bytes per element
+  int64_t acc;     // bytes per accumulator (float, or double for double)
   uintptr_t addr;  // addresses the vectors must divide (x's, OR-ed with dy's in the backward)
   int device;
   const DeviceInfo* dev;

@@ -65,8 +65,8 @@ struct alignas(kBytes) Words {
 
 // How a vector of V scalar_t is held in registers between its load and use.
 template <typename scalar_t, int V>
-using RawVec = std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(Vec<scalar_t, V>)>,
-                                  Vec<scalar_t, V>>;
+using RawVec =
+    std::conditional_t<sizeof(scalar_t) == 2, Words<sizeof(Vec<scalar_t, V>)>, Vec<scalar_t, V>>;
 
 template <typename VecT, typename Raw>
 __device__ __forceinline__ VecT as_vec(const Raw& raw) {
