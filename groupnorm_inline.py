@@ -24,6 +24,7 @@ import numbers
 import os
 import re
 import sys
+import threading
 import time
 import types
 import warnings
@@ -67,6 +68,7 @@ _CUDA_FLAGS = ["-O3"]   # torch adds its own -std (C++17 or C++20 by version)
 _DEFAULT_ARCH = "9.0"                # used when no GPU is visible (CI compiles this way)
 _LOCAL_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 _extension = None
+_load_lock = threading.Lock()
 
 
 def _read_source(name):
@@ -79,11 +81,17 @@ def _read_source(name):
         return f.read()
 
 
+_SOURCE_SUFFIXES = (".h", ".cuh", ".cu", ".cpp")
+
+
 def _kernel_files():
-    """Every kernel source file name, for bundling."""
+    """Every kernel source file name (editor and cache files in kernels/ are
+    not sources), for the build and for bundling."""
     if _EMBEDDED_SOURCES is not None:
         return sorted(_EMBEDDED_SOURCES)
-    return sorted(os.listdir(os.path.join(_HERE, "kernels")))
+    folder = os.path.join(_HERE, "kernels")
+    return sorted(name for name in os.listdir(folder)
+                  if name.endswith(_SOURCE_SUFFIXES) and os.path.isfile(os.path.join(folder, name)))
 
 
 def _expand(name, seen):
@@ -114,10 +122,17 @@ def _arch_list():
     return _DEFAULT_ARCH
 
 
+def _dtype_unit(family, type_name):
+    """The text of a kernel family's translation unit for one dtype."""
+    return f"#define GROUPNORM_DTYPES(X) X({type_name})\n#include \"{family}\"\n"
+
+
 def extension_name(arch=None):
     """Name of the compiled extension: a hash of everything that shapes the
-    binary, so an edited kernel can never load a stale build."""
-    key = "\0".join([*(name + "\0" + _read_source(name) for name in _kernel_files()),
+    binary (sources, the units they are compiled as, flags, versions), so an
+    edited kernel can never load a stale build."""
+    units = [*_HOST_UNITS, *(_dtype_unit(f, t) for f in _KERNEL_UNITS for t in _UNIT_DTYPES.values())]
+    key = "\0".join([*(name + "\0" + _read_source(name) for name in _kernel_files()), *units,
                      " ".join(_CXX_FLAGS + _CUDA_FLAGS), arch or _arch_list(), torch.__version__,
                      str(torch.version.cuda), sys.version.split()[0]])
     return "groupnorm_inline_" + hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -187,8 +202,11 @@ def _write_sources(build_dir):
             with open(path, encoding="utf-8") as f:
                 if f.read() == text:
                     return  # unchanged: ninja keeps its object
-        with open(path, "w", encoding="utf-8") as f:
+        # whole or not at all: another process may be compiling this file
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "w", encoding="utf-8") as f:
             f.write(text)
+        os.replace(temporary, path)
 
     for name in _kernel_files():
         write(os.path.join(src, name), _read_source(name))
@@ -196,7 +214,7 @@ def _write_sources(build_dir):
     for family in _KERNEL_UNITS:
         for dtype, type_name in _UNIT_DTYPES.items():
             path = os.path.join(build_dir, f"{family[:-3]}_{dtype}.cu")
-            write(path, f"#define GROUPNORM_DTYPES(X) X({type_name})\n#include \"{family}\"\n")
+            write(path, _dtype_unit(family, type_name))
             units.append(path)
     return units
 
@@ -206,7 +224,6 @@ class _Progress:
     time since the build started: ninja runs them in parallel, silently."""
 
     def __init__(self, build_dir, units):
-        import threading
         objects = {os.path.splitext(os.path.basename(u))[0] + (".cuda.o" if u.endswith(".cu") else ".o")
                    for u in units}
         self._pending = {os.path.join(build_dir, o) for o in objects}
@@ -237,11 +254,16 @@ def load():
     """The compiled extension, built on first use and cached on disk.
 
     A fresh build prints what it compiles and when each unit is done; a
-    cached load is silent.
+    cached load is silent. Threads that call it at once wait for one load.
     """
-    global _extension
     if _extension is not None:
         return _extension
+    with _load_lock:
+        return _extension if _extension is not None else _load_or_build()
+
+
+def _load_or_build():
+    global _extension
     from torch.utils import cpp_extension
 
     arch = _arch_list()
@@ -256,9 +278,9 @@ def load():
     _check_toolchain()
     units = _write_sources(build_dir)
     sm = ", ".join("sm_" + a.replace(".", "").replace("+PTX", "") for a in re.split(r"[ ;]+", arch) if a)
+    jobs = f"MAX_JOBS={os.environ['MAX_JOBS']}" if os.environ.get("MAX_JOBS") else "ninja's default jobs"
     print(f"groupnorm_inline: building CUDA kernels for {sm} (first use): {len(units)} translation "
-          f"units, {os.environ.get('MAX_JOBS') or os.cpu_count()} at a time...",
-          file=sys.stderr, flush=True)
+          f"units in parallel ({jobs})...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch

@@ -325,7 +325,7 @@ def self_check():
                 ms = _median_ms(lambda: lib.groupnorm_cuda(x, w, b, groups))
                 eager = _median_ms(lambda: F.group_norm(x, groups, w, b, 1e-5))
                 comp = _median_ms(lambda: compiled(x))
-                kernel = _kernel_name(lib.plan(x, groups))
+                kernel = lib.plan(x, groups)["kernel"]
                 print(f"{'x'.join(map(str, shape)):>20} {groups:>3} {str(dtype)[6:]:>8} "
                       f"{layout:>13} {kernel:>13} {err:9.2e} {torch_err:9.2e} {ms:8.4f} "
                       f"{eager:8.4f} {comp:8.4f} {eager / ms:7.2f} {comp / ms:7.2f}"
@@ -333,14 +333,6 @@ def self_check():
                 torch._dynamo.reset()
     print("self-check:", "all match" if failures == 0 else f"{failures} MISMATCH(ES)")
     return 1 if failures else 0
-
-
-def _kernel_name(plan):
-    """The kernel a plan names: its "kernel" entry, or the first word of a
-    plan given as text."""
-    if isinstance(plan, dict) and "kernel" in plan:
-        return str(plan["kernel"])
-    return str(plan).split()[0]
 
 
 # ---------------------------------------------------------------------------

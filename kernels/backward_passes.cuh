@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kBackwardThreads,
       row_sums<scalar_t, V>(dy + row * t.row_items * V, x + row * t.row_items * V, begin,
                             min(t.row_items, begin + t.chunk), threadIdx.x, blockDim.x,
                             mean_of(row), s_dy, s_dyx);
-      block_sum2(s_dy, s_dyx, scratch);
+      block_sums(scratch, s_dy, s_dyx);
       if (threadIdx.x == 0) store_pair(partial + b * 2, s_dy, s_dyx);
     }
   }
@@ -320,7 +320,7 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
     add_pair_sets<2>(channels, at.chunks, at.stride_c, at.stride_k, D, red_dy, red_dyx, store);
   }
   if (coef == nullptr) return;  // the same in every thread
-  block_sum2(s1, s2, scratch);
+  block_sums(scratch, s1, s2);
   const A M = A(D) * A(HxW);
   const A k1 = rs * s1 / M;
   const A k2 = rs * rs * rs * s2 / M;

@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
           }
         }
       }
-      block_sum2(s_dy, s_dyx, scratch);
+      block_sums(scratch, s_dy, s_dyx);
       if (tid == 0) {
         store_pair(partial + b * 2, s_dy, s_dyx);
         completes_unit = add_acq_rel(&ws.arrived[unit], 1) == unit_tiles - 1;
@@ -133,7 +133,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
         s1 += w * a;
         s2 += w * q;
       }
-      block_sum2(s1, s2, scratch);
+      block_sums(scratch, s1, s2);
       const int c = int(row % C);
       const A mu = mean[unit], rs = rstd[unit];
       const A M = A(D) * A(t.row_items * V);

@@ -1,5 +1,6 @@
 // Device facts, read once per device, and the per-kernel occupancy queries
-// the planner makes (cached: plans are made on every call).
+// the planner makes (cached: plans are made on every call). The kernel
+// queries act on the current device: callers hold a guard for `device`.
 #pragma once
 
 #include <cstddef>

@@ -18,7 +18,7 @@
 //    starting soon after its unit's last statistics item would do.
 // No deadlock (stream.cuh): a statistics item waits only for its ring slot,
 // freed by readers of an earlier unit that hold smaller tickets.
-// Extra memory: two counters per unit (`ready` counts the readers done with
+// Extra memory: three counters per unit (`ready` counts the readers done with
 // its slot), and (mean, M2) per piece for `slots` units in a ring: unit u
 // writes slot u % slots once unit u - slots has been read by all (slots cover
 // the lag and the items in flight, so that wait is nearly always over before

@@ -139,7 +139,9 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
 
   // The ticket loop of groupnorm_stream_kernel: the next ticket is fetched
   // while this item runs. Written out in each stream kernel on purpose: as a
-  // shared helper it made these register-capped kernels spill.
+  // shared helper it made these register-capped kernels spill. The
+  // channels-last kernels store it at once: held to the item's end, as the
+  // contiguous kernels do, it made them spill too.
   if (tid == 0) ticket[0] = (long long)atomicAdd(ws.next, 1ull);
   __syncthreads();
   for (int cur = 0;; cur ^= 1) {

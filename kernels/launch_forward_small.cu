@@ -6,16 +6,20 @@
 
 namespace groupnorm {
 
+// The registers kernel holding `items` vectors a thread.
+template <typename scalar_t, int V>
+auto registers_kernel_of(int items) {
+  return items == kRegistersFewItems
+             ? &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersFewItems>
+             : &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersManyItems>;
+}
+
 template <typename scalar_t>
 const void* registers_kernel(int vec, int items) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
-    constexpr int V = decltype(v)::value;
-    kernel = items == kRegistersFewItems
-                 ? reinterpret_cast<const void*>(
-                       &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersFewItems>)
-                 : reinterpret_cast<const void*>(
-                       &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersManyItems>);
+    kernel =
+        reinterpret_cast<const void*>(registers_kernel_of<scalar_t, decltype(v)::value>(items));
   });
   return kernel;
 }
@@ -37,14 +41,11 @@ void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardAr
   const TypedForward<scalar_t> f(a);
   const RegistersConfig& r = plan.registers;
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
-    constexpr int V = decltype(v)::value;
-    const auto kernel = r.items == kRegistersFewItems
-                            ? &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersFewItems>
-                            : &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersManyItems>;
     LaunchShape shape{plan.grid, plan.threads};
     shape.cluster = r.ranks;
-    launch_kernel(kernel, shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, plan.units,
-                  int(p.HxW), p.C, p.G, int(p.D()), p.channels_last, r.ranks, f.eps);
+    launch_kernel(registers_kernel_of<scalar_t, decltype(v)::value>(r.items), shape, stream, f.x,
+                  f.gamma, f.beta, f.y, f.mean, f.rstd, plan.units, int(p.HxW), p.C, p.G,
+                  int(p.D()), p.channels_last, r.ranks, f.eps);
   });
 }
 

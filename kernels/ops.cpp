@@ -99,8 +99,9 @@ at::ScalarType acc_dtype(const at::Tensor& x) {
 }
 
 // Workspaces from the caching allocator on the launch stream. The tensors
-// stay alive until the call returns, after the launches are enqueued: the
-// allocator does not hand their memory to another stream before then.
+// are freed when the call returns, after the launches are enqueued: the
+// allocator hands their memory only to later work on the same stream, which
+// runs after these launches.
 class TensorWorkspace final : public WorkspaceAllocator {
  public:
   TensorWorkspace(const at::Tensor& like, cudaStream_t stream) : like_(like), stream_(stream) {}

@@ -17,46 +17,52 @@ __device__ __forceinline__ A warp_sum(A v) {
   return v;
 }
 
-// Sums each of K values over the block, in a fixed order, with one pair of
+namespace detail {
+template <typename A>
+__device__ __forceinline__ A column_sum(const A* scratch, int k, int warps) {
+  A total = 0;
+  for (int w = 0; w < warps; ++w) total += scratch[k * warps + w];
+  return total;
+}
+}  // namespace detail
+
+// Sums each of the values over the block, in a fixed order, with one pair of
 // barriers for all of them; every thread gets the totals. `scratch` holds
-// K * blockDim.x / 32 values.
-template <int K, typename A>
-__device__ void block_sums(A (&v)[K], A* scratch) {
+// (number of values) * blockDim.x / 32 values. The values are references,
+// not an array: an array argument made the stream backward spill.
+template <typename A, typename... Values>
+__device__ __forceinline__ void block_sums(A* scratch, A& first, Values&... rest) {
   const int warp = threadIdx.x / kWarp;
   const int lane = threadIdx.x % kWarp;
   const int warps = blockDim.x / kWarp;
-#pragma unroll
-  for (int k = 0; k < K; ++k) v[k] = warp_sum(v[k]);
+  first = warp_sum(first);
+  ((rest = warp_sum(rest)), ...);
   __syncthreads();  // scratch may still be read from an earlier call
   if (lane == 0) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) scratch[k * warps + warp] = v[k];
+    int k = 0;
+    scratch[k++ * warps + warp] = first;
+    ((scratch[k++ * warps + warp] = rest), ...);
   }
   __syncthreads();
-  A total[K];
-#pragma unroll
-  for (int k = 0; k < K; ++k) total[k] = 0;
-  for (int w = 0; w < warps; ++w) {
-#pragma unroll
-    for (int k = 0; k < K; ++k) total[k] += scratch[k * warps + w];
+  if constexpr (sizeof...(rest) == 1) {  // both columns in one loop: fewer live registers
+    A total_first = 0, total_rest = 0;
+    for (int w = 0; w < warps; ++w) {
+      total_first += scratch[w];
+      total_rest += scratch[warps + w];
+    }
+    first = total_first;
+    ((rest = total_rest), ...);
+  } else {
+    int k = 0;
+    first = detail::column_sum(scratch, k++, warps);
+    ((rest = detail::column_sum(scratch, k++, warps)), ...);
   }
-#pragma unroll
-  for (int k = 0; k < K; ++k) v[k] = total[k];
 }
 
 template <typename A>
 __device__ __forceinline__ A block_sum(A v, A* scratch) {
-  A values[1] = {v};
-  block_sums<1>(values, scratch);
-  return values[0];
-}
-
-template <typename A>
-__device__ __forceinline__ void block_sum2(A& a, A& b, A* scratch) {
-  A values[2] = {a, b};
-  block_sums<2>(values, scratch);
-  a = values[0];
-  b = values[1];
+  block_sums(scratch, v);
+  return v;
 }
 
 // Sums a per-thread table red[rows][cols] into one value per group, where

@@ -15,6 +15,8 @@
 // run: no deadlock whatever is resident, and no cooperative launch.
 #pragma once
 
+#include <c10/util/Exception.h>
+
 #include "layout.h"
 #include "sync.cuh"
 #include "vec.cuh"
@@ -31,20 +33,22 @@ struct StreamWorkspace {
                              //                  done with the unit's ring slot
 };
 
-// Lays out the counters of `units` units of `chunks` chunks first in
-// `layout`; bind() points them into the allocation.
+// Lays out the counters of `units` units of `chunks` chunks as the first
+// `bytes` of `layout` (the part of a workspace that is zeroed); bind()
+// points them into the allocation.
 struct StreamCounters {
-  int64_t units, chunks, at, bytes;
+  int64_t units, chunks, ints_at, bytes;
   StreamCounters(WorkspaceLayout& layout, int64_t units_, int64_t chunks_)
       : units(units_), chunks(chunks_) {
-    at = layout.add<unsigned long long>(1);
-    layout.add<int>(units * chunks + 2 * units);
-    bytes = layout.bytes - at;
+    TORCH_CHECK(layout.bytes == 0, "groupnorm: stream counters must open the workspace");
+    layout.add<unsigned long long>(1);
+    ints_at = layout.add<int>(units * chunks + 2 * units);
+    bytes = layout.bytes;
   }
   StreamWorkspace bind(uint8_t* base) const {
     StreamWorkspace ws;
-    ws.next = reinterpret_cast<unsigned long long*>(base + at);
-    ws.arrived = reinterpret_cast<int*>(base + at + 16);
+    ws.next = reinterpret_cast<unsigned long long*>(base);
+    ws.arrived = reinterpret_cast<int*>(base + ints_at);
     ws.chunk_arrived = ws.arrived + units * chunks;
     ws.ready = ws.chunk_arrived + units;
     return ws;

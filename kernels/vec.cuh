@@ -135,10 +135,24 @@ __device__ __forceinline__ VecT load_with_l2_priority(const VecT* p, bool keep) 
 }
 
 namespace detail {
-template <typename VecT, typename F, typename Raw, size_t... S>
-__device__ __forceinline__ void call_with_vecs(F& f, int64_t i, const Raw* held, int in_flight,
-                                               int u, std::index_sequence<S...>) {
-  f(i, as_vec<VecT>(held[S * in_flight + u])...);
+// Calls f(std::integral_constant<int, u>) for u = U, ..., kEnd - 1, so that
+// register arrays indexed by u are indexed by constants.
+template <int U, int kEnd>
+struct Unrolled {
+  template <typename F>
+  __device__ __forceinline__ static void run(F&& f) {
+    if constexpr (U < kEnd) {
+      f(std::integral_constant<int, U>{});
+      Unrolled<U + 1, kEnd>::run(f);
+    }
+  }
+};
+
+template <typename VecT, int U, typename F, typename Raw, int kStreams, int kInFlight, size_t... S>
+__device__ __forceinline__ void call_with_vecs(F& f, int64_t i,
+                                               const Raw (&held)[kStreams][kInFlight],
+                                               std::index_sequence<S...>) {
+  f(i, as_vec<VecT>(held[S][U])...);
 }
 }  // namespace detail
 
@@ -154,25 +168,24 @@ __device__ __forceinline__ void load_each(int64_t begin, int64_t end, int step, 
   constexpr int kStreams = int(sizeof...(Streams));
   const scalar_t* base[kStreams] = {streams...};
   for (int64_t i0 = begin; i0 < end; i0 += int64_t(kInFlight) * step) {
-    Raw held[kStreams * kInFlight];
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
+    Raw held[kStreams][kInFlight];
+    detail::Unrolled<0, kInFlight>::run([&](auto item) {
+      constexpr int u = decltype(item)::value;
       const int64_t i = i0 + int64_t(u) * step;
       if (i < end) {
 #pragma unroll
         for (int s = 0; s < kStreams; ++s) {
-          held[s * kInFlight + u] = *reinterpret_cast<const Raw*>(base[s] + i * stride);
+          held[s][u] = *reinterpret_cast<const Raw*>(base[s] + i * stride);
         }
       }
-    }
-#pragma unroll
-    for (int u = 0; u < kInFlight; ++u) {
+    });
+    detail::Unrolled<0, kInFlight>::run([&](auto item) {
+      constexpr int u = decltype(item)::value;
       const int64_t i = i0 + int64_t(u) * step;
       if (i < end) {
-        detail::call_with_vecs<VecT>(f, i, held, kInFlight, u,
-                                     std::make_index_sequence<kStreams>{});
+        detail::call_with_vecs<VecT, u>(f, i, held, std::make_index_sequence<kStreams>{});
       }
-    }
+    });
   }
 }
 
