@@ -1,0 +1,59 @@
+"""Registers, stack frame and spills per kernel in two ptxas reports, for
+checking that a change to the kernels' code did not add spills. A report is
+what `nvcc -cubin -Xptxas -v` prints for a checkout's single translation
+unit (torch's include paths and flags, as tools/check_sources.sh uses):
+
+    (cd BEFORE && python3 -c "import groupnorm_inline as g; print(g.sources()[1])") > before.cu
+    nvcc ... -cubin -Xptxas -v before.cu -o before.cubin 2> before.txt
+    nvcc ... -cubin -Xptxas -v kernels/extension.cu -o after.cubin 2> after.txt
+    python3 tools/compare_registers.py before.txt after.txt
+
+Prints each kernel whose figures differ, and the kernels that spill more.
+"""
+import re
+import subprocess
+import sys
+
+
+def report(path):
+    """{mangled kernel name: {"regs", "stack", "spill_stores", "spill_loads"}}"""
+    kernels, current = {}, None
+    for line in open(path, encoding="utf-8", errors="replace"):
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            current = kernels.setdefault(m.group(1), {})
+            continue
+        m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and current is not None:
+            current.update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
+        m = re.search(r"Used (\d+) registers", line)
+        if m and current is not None:
+            current["regs"] = int(m[1])
+    return kernels
+
+
+def readable(names):
+    """Demangled names without parameter lists (c++filt), so that kernels
+    moved between namespaces or files still pair up."""
+    out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout
+    return [n.split("(")[0].replace("void ", "") for n in out.splitlines()]
+
+
+def main(before_path, after_path):
+    before, after = report(before_path), report(after_path)
+    b = dict(zip(readable(list(before)), before.values()))
+    a = dict(zip(readable(list(after)), after.values()))
+    spills = lambda k: k.get("spill_stores", 0) + k.get("spill_loads", 0)  # noqa: E731
+    more = [name for name in a if name in b and spills(a[name]) > spills(b[name])]
+    fewer = [name for name in a if name in b and spills(a[name]) < spills(b[name])]
+    for name in sorted(set(a) | set(b)):
+        if a.get(name) != b.get(name):
+            print(f"{name}: before {b.get(name)} after {a.get(name)}")
+    print(f"{len(b)} kernels before, {len(a)} after; {len(more)} spill more, {len(fewer)} spill less")
+    for name in more:
+        print(f"spills more: {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))
