@@ -28,7 +28,6 @@ import threading
 import time
 import types
 import warnings
-from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +51,7 @@ _EMBEDDED_TOOLS = None  # replaced by `bundle`
 _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in globals() else None
 # The extension is compiled as separate translation units, in parallel: the
 # host code, the Python module, and each kernel family once per dtype.
-_HOST_UNITS = ["device.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp", "autograd.cpp",
+_HOST_UNITS = ["device.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp", "library.cpp",
                "bindings.cpp"]
 _KERNEL_UNITS = ["launch_forward_small.cu", "launch_forward_team.cu", "launch_forward_stream.cu",
                  "launch_forward_stream_channels_last.cu", "launch_backward.cu"]
@@ -272,6 +271,7 @@ def _load_or_build():
     built = os.path.join(build_dir, name + (".pyd" if os.name == "nt" else ".so"))
     module = _load_cached(cpp_extension, name, built, os.path.join(build_dir, "lock"))
     if module is not None:
+        _register_kernels(module)
         _extension = module
         return module
 
@@ -297,6 +297,7 @@ def _load_or_build():
             os.environ["TORCH_CUDA_ARCH_LIST"] = saved
     print(f"groupnorm_inline: built in {time.perf_counter() - start:.0f} s",
           file=sys.stderr, flush=True)
+    _register_kernels(module)
     _extension = module
     return module
 
@@ -448,15 +449,34 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
 
 
 def _cuda_forward(x, gamma, beta, groups, eps):
-    """This module's kernels, with autograd where it is needed: the registered
-    op while torch.compile / export trace, the C++ autograd function
-    (kernels/autograd.cpp) in eager mode, the bare extension call without
-    gradients."""
+    """This module's kernels: the registered op (its autograd is in C++,
+    kernels/library.cpp) where gradients are needed and wherever torch.compile
+    / export trace; without gradients in eager mode, the bare extension call,
+    which skips the dispatcher."""
     if torch.compiler.is_compiling():
-        return torch.ops.groupnorm_inline.forward(x, gamma, beta, groups, eps)[0]
-    if not _needs_grad(x, gamma, beta):
-        return load().forward(x, gamma, beta, groups, eps, "auto", 0, 0)[0]
-    return load().forward_autograd(x, gamma, beta, groups, eps)
+        _kernels_loaded()
+        return _OPS.forward(x, gamma, beta, groups, eps)[0]
+    extension = load()
+    if _needs_grad(x, gamma, beta):
+        return _OPS.forward(x, gamma, beta, groups, eps)[0]
+    return extension.forward(x, gamma, beta, groups, eps, "auto", 0, 0)[0]
+
+
+def _traced_as_constant(function):
+    """Has torch.compile call `function` while it traces, taking the result
+    as a constant, instead of tracing into it (what
+    torch.compiler.assume_constant_result does, without importing Dynamo on
+    import): loading the extension is no graph op."""
+    function._dynamo_marked_constant = True
+    return function
+
+
+@_traced_as_constant
+def _kernels_loaded():
+    """load(), from code that torch.compile traces: the compiled graph calls
+    the operators, whose kernels the extension registers when it loads."""
+    load()
+    return True
 
 
 def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False):
@@ -532,14 +552,13 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
 _toolchain_error = None  # the ToolchainError that sent group_norm to torch
 
 
+@_traced_as_constant
 def _kernels_available():
     """Whether the extension is loaded, or loads now (a cached build, or a new
     one). Without the CUDA toolchain it warns once per process, naming the
     fix, and says no: group_norm and GroupNorm then run torch's GroupNorm,
     while groupnorm_cuda raises the ToolchainError (load() does)."""
     global _toolchain_error
-    if torch.compiler.is_compiling():
-        return _toolchain_error is None
     if _extension is not None:
         return True
     if _toolchain_error is None:
@@ -563,8 +582,35 @@ def _single_value_per_channel(input, num_groups):
 
 
 # ---------------------------------------------------------------------------
-# torch.library ops: autograd, torch.compile and torch.export see these
+# The operators: autograd, torch.compile and torch.export see these
 # ---------------------------------------------------------------------------
+
+# Defined here, at import, so that torch.compile can trace them before the
+# extension is built; its C++ kernels (kernels/library.cpp) are registered
+# when it loads.
+_SCHEMAS = {
+    "forward": "forward(Tensor x, Tensor? weight, Tensor? bias, int groups, float eps) "
+               "-> (Tensor, Tensor, Tensor)",
+    "backward": "backward(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, "
+                "int groups, bool need_dx, bool need_affine) -> (Tensor, Tensor, Tensor)",
+}
+
+
+def _namespace():
+    """groupnorm_inline, unless another copy of this module (a bundle of
+    another version) defined ops there with other schemas: then a namespace
+    of these schemas' own, so that neither copy runs the other's."""
+    def defined_as_ours(ns):
+        ops = getattr(torch.ops, ns)
+        return all(hasattr(ops, name) and str(getattr(ops, name).default._schema) ==
+                   f"{ns}::{schema}" for name, schema in _SCHEMAS.items())
+
+    for ns in ("groupnorm_inline",
+               "groupnorm_inline_" + hashlib.sha256(str(_SCHEMAS).encode()).hexdigest()[:8]):
+        if not hasattr(getattr(torch.ops, ns), "forward") or defined_as_ours(ns):
+            return ns
+    raise RuntimeError("groupnorm_inline: the operator namespaces are taken by other definitions")
+
 
 def _dense(x):
     """Contiguous, or (N, C, *) stored with C innermost: kept as is, so outputs
@@ -576,24 +622,10 @@ def _stat_dtype(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _forward_impl(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                  groups: int, eps: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, mean, rstd = load().forward(x, weight, bias, groups, eps, "auto", 0, 0)
-    return y, mean, rstd
-
-
 def _forward_fake(x, weight, bias, groups, eps):
     y = torch.empty_like(x) if _dense(x) else x.new_empty(x.shape)
     stats = (x.shape[0], groups)
     return y, x.new_empty(stats, dtype=_stat_dtype(x)), x.new_empty(stats, dtype=_stat_dtype(x))
-
-
-def _backward_impl(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
-                   weight: Optional[torch.Tensor], groups: int, need_dx: bool,
-                   need_affine: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    dx, dweight, dbias = load().backward(dy, x, mean, rstd, weight, groups, need_dx, need_affine,
-                                         "auto", 0)
-    return dx, dweight, dbias
 
 
 def _backward_fake(dy, x, mean, rstd, weight, groups, need_dx, need_affine):
@@ -610,45 +642,30 @@ def _backward_fake(dy, x, mean, rstd, weight, groups, need_dx, need_affine):
     return dx, x.new_empty(affine), x.new_empty(affine)
 
 
-def _setup_context(ctx, inputs, output):
-    x, weight, _bias, groups, _eps = inputs
-    _y, mean, rstd = output
-    ctx.save_for_backward(x, weight, mean, rstd)
-    ctx.groups = groups
+def _define_ops(ns):
+    """Defines <ns>::forward and ::backward with their fake functions, once
+    per process: a copy of this module imported beside it (a bundle) finds
+    them defined and uses them. Returns the Library that holds them."""
+    if hasattr(getattr(torch.ops, ns), "forward"):
+        return None
+    library = torch.library.Library(ns, "FRAGMENT")
+    for name, schema in _SCHEMAS.items():
+        library.define(schema)
+    torch.library.register_fake(f"{ns}::forward", _forward_fake, lib=library)
+    torch.library.register_fake(f"{ns}::backward", _backward_fake, lib=library)
+    return library
 
 
-def _backward_formula(ctx, dy, _dmean, _drstd):
-    """Gradients for (x, weight, bias, groups, eps) through the registered
-    backward op (the eager path does the same in C++, kernels/autograd.cpp)."""
-    x, weight, mean, rstd = ctx.saved_tensors
-    need_dx, need_weight, need_bias = ctx.needs_input_grad[:3]
-    dx, dweight, dbias = torch.ops.groupnorm_inline.backward(
-        dy, x, mean, rstd, weight, ctx.groups, need_dx, need_weight or need_bias)
-    return (dx if need_dx else None, dweight if need_weight else None,
-            dbias if need_bias else None, None, None)
+def _register_kernels(extension):
+    """The extension's kernels for the operators, unless another copy's
+    extension registered its own (the same sources: a bundle beside us)."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(f"{_NAMESPACE}::forward", "CUDA"):
+        extension.register_kernels(_NAMESPACE)
 
 
-def _no_double_backward(ctx, *grads):
-    raise RuntimeError("groupnorm_inline: double backward (gradients of gradients) is not "
-                       "supported; use torch.nn.functional.group_norm for that")
-
-
-def _register_ops():
-    """Defines groupnorm_inline::forward and ::backward once per process; a
-    bundled copy imported beside this module reuses them."""
-    if hasattr(torch.ops.groupnorm_inline, "forward"):
-        return
-    forward_op = torch.library.custom_op("groupnorm_inline::forward", _forward_impl,
-                                         mutates_args=())
-    forward_op.register_fake(_forward_fake)
-    forward_op.register_autograd(_backward_formula, setup_context=_setup_context)
-    backward_op = torch.library.custom_op("groupnorm_inline::backward", _backward_impl,
-                                          mutates_args=())
-    backward_op.register_fake(_backward_fake)
-    backward_op.register_autograd(_no_double_backward, setup_context=lambda ctx, inputs, output: None)
-
-
-_register_ops()
+_NAMESPACE = _namespace()
+_LIBRARY = _define_ops(_NAMESPACE)
+_OPS = getattr(torch.ops, _NAMESPACE)
 
 
 # torch 2.14 added nn.GroupNorm's bias argument; with an older torch,

@@ -530,6 +530,47 @@ def test_bundle_imports_without_kernels_dir(tmp_path):
         assert module._tools().bundle_source() == f.read()  # a bundle bundles itself
 
 
+def test_operators_are_defined_on_import_with_fake_functions():
+    # torch.compile traces them before any build: schemas and fake (meta)
+    # functions need no extension; outputs keep a channels-last input's strides
+    ops = torch.ops.groupnorm_inline
+    x = torch.empty(2, 8, 3, 5, device="meta").to(memory_format=torch.channels_last)
+    y, mean, rstd = ops.forward(x, None, None, 4, 1e-5)
+    assert y.stride() == x.stride() and mean.shape == rstd.shape == (2, 4)
+    dx, dweight, dbias = ops.backward(x, x, mean, rstd, None, 4, True, True)
+    assert dx.stride() == x.stride() and dweight.shape == dbias.shape == (8,)
+    dx, dweight, _ = ops.backward(x, x, mean, rstd, None, 4, False, False)
+    assert dx.numel() == 0 and dweight.numel() == 0
+
+
+def test_operators_autograd_is_registered_from_cpp():
+    # Meta tensors run the C++ autograd kernels without a GPU: the forward
+    # records the backward operator, and double backward is refused.
+    try:
+        gn.load()
+    except gn.ToolchainError as error:
+        pytest.skip(f"the extension cannot be built here: {error}")
+    for key in ("CUDA", "Autograd"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("groupnorm_inline::forward", key)
+    x = torch.empty(2, 8, 3, 5, device="meta", requires_grad=True)
+    w = torch.empty(8, device="meta", requires_grad=True)
+    y, mean, rstd = torch.ops.groupnorm_inline.forward(x, w, None, 4, 1e-5)
+    assert y.grad_fn is not None and not mean.requires_grad and not rstd.requires_grad
+    y.sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    (dx,) = torch.autograd.grad(torch.ops.groupnorm_inline.forward(x, w, None, 4, 1e-5)[0].sum(),
+                                x, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dx.sum().backward()
+
+
+def test_operators_of_another_version_get_a_namespace_of_their_own(monkeypatch):
+    assert gn._namespace() == "groupnorm_inline"  # ours, already defined: shared
+    other = dict(gn._SCHEMAS, forward=gn._SCHEMAS["forward"].replace("float eps", "float epsilon"))
+    monkeypatch.setattr(gn, "_SCHEMAS", other)
+    assert re.fullmatch(r"groupnorm_inline_[0-9a-f]{8}", gn._namespace())
+
+
 def test_bundle_runs_its_command_line_from_the_embedded_tools(tmp_path):
     # no groupnorm_tools.py and no kernels/ beside the bundle
     path = tools.bundle(str(tmp_path / "my_groupnorm.py"))
@@ -1929,6 +1970,24 @@ def test_gpu_double_backward_is_refused():
     (dx,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         dx.sum().backward()
+
+
+@cuda
+def test_gpu_bundle_beside_the_module_shares_its_operators(tmp_path):
+    path = tools.bundle(str(tmp_path / "standalone_gn.py"))
+    spec = importlib.util.spec_from_file_location("standalone_gn", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module._OPS is gn._OPS and module._LIBRARY is None  # defined once
+    x = make_input((2, 16, 5, 7), torch.float32, "contiguous", "cuda")
+    w = torch.randn(16, device="cuda", requires_grad=True)
+    for m in (gn, module):
+        xs = x.clone().requires_grad_()
+        y = m.group_norm(xs, 4, w, None)
+        y.square().sum().backward()
+        expected = F.group_norm(x.double(), 4, w.double().detach()).float()
+        torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-5)
+        assert xs.grad is not None and not xs.grad.isnan().any()
 
 
 @cuda

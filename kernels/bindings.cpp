@@ -18,7 +18,8 @@ pybind11::dict as_dict(const groupnorm::PlanFields& fields) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "GroupNorm forward: [y, mean, rstd]");
   m.def("backward", &backward, "GroupNorm backward: [dx, dweight, dbias]");
-  m.def("forward_autograd", &forward_autograd, "GroupNorm forward with eager autograd");
+  m.def("register_kernels", &register_kernels,
+        "Registers the CUDA and autograd kernels of <namespace>::forward and ::backward");
   m.def(
       "plan",
       [](const at::Tensor& x, int64_t groups, const std::string& kernel, int64_t team,

@@ -2,13 +2,13 @@
 // the KernelBench export (load_inline compiles a single CUDA string). The
 // loader instead compiles each file on its own, in parallel, with
 // bindings.cpp as the Python module.
-#include "autograd.cpp"
 #include "device.cpp"
 #include "launch_backward.cu"
 #include "launch_forward_small.cu"
 #include "launch_forward_stream.cu"
 #include "launch_forward_stream_channels_last.cu"
 #include "launch_forward_team.cu"
+#include "library.cpp"
 #include "ops.cpp"
 #include "plan_backward.cpp"
 #include "plan_forward.cpp"

@@ -17,10 +17,10 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Ten
                                 const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
                                 const std::string& kernel, int64_t team, int64_t lag);
 
-// forward()'s y, with gradients through backward() for eager autograd
-// (autograd.cpp): the backward runs in C++, without the Python lock.
-at::Tensor forward_autograd(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
-                            const c10::optional<at::Tensor>& bias, int64_t groups, double eps);
+// Registers forward() and backward() as the CUDA and autograd kernels of the
+// operators <ns>::forward and <ns>::backward, whose schemas the caller has
+// defined (library.cpp). Once per process.
+void register_kernels(const std::string& ns);
 
 // Returns [dx, dweight, dbias]; each is an empty tensor when not asked for.
 // kernel: "auto", "passes" or "stream"; lag forces the stream kernel's lag.

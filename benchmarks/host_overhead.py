@@ -1,0 +1,92 @@
+"""Host time per GroupNorm call, by the way it is called.
+
+    python benchmarks/host_overhead.py [--rounds 30] [--calls 2000] [--json PATH]
+
+On a tiny input (4x32x8x8 fp32, a few microseconds of GPU work) a stream of
+calls is bound by the host: the wall time per call of `--calls` calls back
+to back, synchronised only at the end, is the host time of one call. The
+contenders alternate, round by round, and each reports its median over the
+rounds:
+- extension: the extension's own function (what eager calls without
+  gradients run);
+- operator: torch.ops.groupnorm_inline.forward.default, as the code that
+  torch.compile generates calls it (kernels registered from C++);
+- python_custom_op: the same extension function behind a
+  torch.library.custom_op, the way the operator was registered before;
+- operator_with_grad: the operator on an input that requires grad (the
+  autograd kernel records the graph; forward only);
+- compiled: a torch.compile'd function calling group_norm (Dynamo's guards,
+  the compiled wrapper, then the operator);
+- torch: torch.group_norm (eager), for scale.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import groupnorm_inline as gn  # noqa: E402
+
+
+def contenders(x, w, b, groups):
+    extension = gn.load()
+    op = gn._OPS.forward.default
+
+    @torch.library.custom_op("groupnorm_host_overhead::forward", mutates_args=())
+    def python_custom_op(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, groups: int,
+                         eps: float) -> torch.Tensor:
+        return extension.forward(x, w, b, groups, eps, "auto", 0, 0)[0]
+
+    compiled = torch.compile(lambda t: gn.group_norm(t, groups, w, b), fullgraph=True)
+    x_grad = x.clone().requires_grad_()
+    return {
+        "extension": lambda: extension.forward(x, w, b, groups, 1e-5, "auto", 0, 0),
+        "operator": lambda: op(x, w, b, groups, 1e-5),
+        "python_custom_op": lambda: python_custom_op(x, w, b, groups, 1e-5),
+        "operator_with_grad": lambda: op(x_grad, w, b, groups, 1e-5),
+        "compiled": lambda: compiled(x),
+        "torch": lambda: torch.group_norm(x, groups, w, b, 1e-5),
+    }
+
+
+def per_call_us(call, calls):
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        call()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    x = torch.randn(4, 32, 8, 8, device="cuda")
+    w, b = torch.randn(32, device="cuda"), torch.randn(32, device="cuda")
+    calls = contenders(x, w, b, 8)
+    for call in calls.values():  # warm-up: compile, caches, allocator
+        per_call_us(call, 200)
+    times = {name: [] for name in calls}
+    for _ in range(args.rounds):
+        for name, call in calls.items():
+            times[name].append(per_call_us(call, args.calls))
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "cuda": torch.version.cuda, "rounds": args.rounds, "calls": args.calls,
+              "median_us": {name: round(statistics.median(t), 2) for name, t in times.items()},
+              "spread_us": {name: [round(min(t), 2), round(max(t), 2)] for name, t in times.items()}}
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
