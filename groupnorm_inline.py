@@ -675,8 +675,9 @@ _TORCH_GROUPNORM_TAKES_BIAS = "bias" in inspect.signature(nn.GroupNorm.__init__)
 
 class GroupNorm(nn.GroupNorm):
     """Drop-in nn.GroupNorm: same constructor (bias=False included, with any
-    torch), parameters, init, repr and state_dict; forward runs group_norm()
-    above."""
+    torch), parameters, init and state_dict; forward runs group_norm() above.
+    Its repr is nn.GroupNorm's under the name groupnorm_inline.GroupNorm, so
+    print(model) tells these layers from torch's."""
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None,
                  *, bias=True):
@@ -695,6 +696,10 @@ class GroupNorm(nn.GroupNorm):
         if self.affine and self.bias is None and "bias=" not in text:
             text += ", bias=False"  # as torch 2.14 shows it; older torch has no bias argument
         return text
+
+    def _get_name(self):
+        name = type(self).__name__
+        return f"groupnorm_inline.{name}" if type(self).__module__ == __name__ else name
 
     def forward(self, input):
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
