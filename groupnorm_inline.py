@@ -35,7 +35,7 @@ from torch import nn
 
 __version__ = "0.1.0"
 __all__ = [
-    "GroupNorm", "group_norm", "groupnorm_cuda", "replace_groupnorm", "plan",
+    "GroupNorm", "GroupNormAct", "group_norm", "groupnorm_cuda", "replace_groupnorm", "plan",
     "GroupNormError", "ToolchainError", "load", "sources", "extension_name",
 ]
 
@@ -311,10 +311,11 @@ _HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class GroupNormError(ValueError, RuntimeError):
-    """A bad argument to group_norm, GroupNorm, groupnorm_cuda or plan; the
-    message names it and its value. A ValueError, as this module's errors
-    were, and a RuntimeError, as most of torch's for the same mistakes are;
-    where torch raises another type for a mistake, also that type: a
+    """A bad argument to group_norm, GroupNorm, groupnorm_cuda or plan (the
+    message names it and its value), or layers that replace_groupnorm with
+    strict=True cannot swap (a TypeError too). A ValueError, as this module's
+    errors were, and a RuntimeError, as most of torch's for the same mistakes
+    are; where torch raises another type for a mistake, also that type: a
     TypeError for an argument of the wrong type, NotImplementedError for an
     input dtype without a kernel, ZeroDivisionError for num_groups = 0,
     AttributeError for an input that is not a tensor. So code written
@@ -679,6 +680,10 @@ class GroupNorm(nn.GroupNorm):
     Its repr is nn.GroupNorm's under the name groupnorm_inline.GroupNorm, so
     print(model) tells these layers from torch's."""
 
+    # set by replace_groupnorm when an nn.Sequential runs this layer right
+    # before an activation a fused kernel could apply (see _activation_name)
+    next_activation = None
+
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None,
                  *, bias=True):
         # numpy scalars and 0-d tensors become int and float here:
@@ -705,26 +710,178 @@ class GroupNorm(nn.GroupNorm):
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
 
 
-def _converted(module):
-    new = GroupNorm(module.num_groups, module.num_channels, module.eps, module.affine, device="meta",
-                    bias=module.bias is not None)
-    new.weight = module.weight  # the same Parameter objects: device, dtype and
-    new.bias = module.bias      # optimizer state all carry over
-    new.train(module.training)
+_TORCH_ACTIVATIONS = {nn.SiLU: "silu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
+                      nn.Hardswish: "hardswish", nn.Mish: "mish"}
+# timm.layers.activations: Swish is x * sigmoid(x), HardSwish x * relu6(x + 3) / 6,
+# the others what their names say (GELU F.gelu, GELUTanh F.gelu(approximate="tanh"))
+_TIMM_ACTIVATIONS = {"Swish": "silu", "GELU": "gelu", "GELUTanh": "gelu_tanh", "Tanh": "tanh",
+                     "Sigmoid": "sigmoid", "HardSwish": "hardswish", "Mish": "mish"}
+
+
+def _activation_name(module):
+    """The name a fused kernel would take for the activation `module` applies:
+    "silu", "gelu", "gelu_tanh", "relu", "leaky_relu(SLOPE)", "tanh",
+    "sigmoid", "hardswish" or "mish"; None for anything else. Exact types
+    only (torch's, and timm's own when timm is imported): a subclass may
+    change forward."""
+    kind = type(module)
+    if kind is nn.GELU:
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
+    if kind is nn.LeakyReLU:
+        return f"leaky_relu({float(module.negative_slope)!r})"
+    if kind in _TORCH_ACTIVATIONS:
+        return _TORCH_ACTIVATIONS[kind]
+    timm_activations = sys.modules.get("timm.layers.activations")
+    for class_name, name in _TIMM_ACTIVATIONS.items():
+        if kind is getattr(timm_activations, class_name, None):
+            return name
+    return None
+
+
+class GroupNormAct(GroupNorm):
+    """GroupNorm, then the module `drop`, then the module `act` (each
+    nn.Identity when None): what replace_groupnorm makes of timm's
+    GroupNormAct and GroupNorm1Act, with their state_dict keys and their drop
+    and act modules. `activation` names act for a fused kernel (see
+    _activation_name), or is None."""
+
+    def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None,
+                 *, bias=True, drop=None, act=None):
+        super().__init__(num_groups, num_channels, eps, affine, device, dtype, bias=bias)
+        self.drop = nn.Identity() if drop is None else drop
+        self.act = nn.Identity() if act is None else act
+
+    @property
+    def activation(self):
+        return _activation_name(self.act)
+
+    def forward(self, input):
+        # unfused: group_norm takes no activation yet
+        return self.act(self.drop(super().forward(input)))
+
+
+# timm's GroupNorm classes (timm.layers, timm >= 0.9) by the module that
+# defines them, and ours for each. Their forwards: GroupNorm and GroupNorm1
+# (constructed with 1 group) are F.group_norm of the module's own attributes;
+# GroupNormAct and GroupNorm1Act are that, then self.drop, then self.act. With
+# timm's fast norm on they run in the autocast dtype instead: left alone.
+_TIMM_GROUPNORMS = {("timm.layers.norm", "GroupNorm"): GroupNorm,
+                    ("timm.layers.norm", "GroupNorm1"): GroupNorm,
+                    ("timm.layers.norm_act", "GroupNormAct"): GroupNormAct,
+                    ("timm.layers.norm_act", "GroupNorm1Act"): GroupNormAct}
+
+
+def _replacement_class(module):
+    """(our class that computes what `module`'s forward computes, None) for an
+    nn.GroupNorm whose forward is torch's or one of timm's above (inherited or
+    not: the function is compared, not the class), else (None, why not)."""
+    if "forward" in vars(module):
+        return None, "its forward was replaced on the instance"
+    if not {"weight", "bias"} <= module._parameters.keys():
+        return None, "its weight or bias is not a parameter (parametrize or weight_norm)"
+    forward = type(module).forward
+    if forward is nn.GroupNorm.forward:
+        return GroupNorm, None
+    for (module_name, class_name), ours in _TIMM_GROUPNORMS.items():
+        theirs = getattr(sys.modules.get(module_name), class_name, None)
+        if theirs is not None and forward is theirs.forward:
+            if getattr(module, "_fast_norm", False):
+                return None, "timm's fast norm is on (it runs in the autocast dtype)"
+            return ours, None
+    owner = next(cls for cls in type(module).__mro__ if "forward" in vars(cls))
+    return None, (f"its forward (from {owner.__module__}.{owner.__qualname__}) is neither "
+                  "nn.GroupNorm's nor a timm GroupNorm's")
+
+
+def _kind(module):
+    """How counts and messages name the class of a GroupNorm."""
+    kind = type(module)
+    if kind is nn.GroupNorm:
+        return "nn.GroupNorm"
+    if kind.__module__.split(".")[0] == "timm":
+        return f"timm {kind.__qualname__}"
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _converted(module, cls):
+    """`module` as a `cls`: the same Parameter, buffer and child objects under
+    the same names (so device, dtype, state_dict keys and optimizer state
+    carry over), the same hooks and training flag."""
+    new = cls(module.num_groups, module.num_channels, module.eps, module.affine, device="meta")
+    for name, parameter in module._parameters.items():
+        new.register_parameter(name, parameter)
+    for name, buffer in module._buffers.items():
+        new.register_buffer(name, buffer, persistent=name not in module._non_persistent_buffers_set)
+    for name, child in module._modules.items():
+        new.add_module(name, child)
+    # the hook dicts themselves, so that existing handles still remove them
+    new.__dict__.update((key, value) for key, value in vars(module).items() if "hook" in key)
+    new.training = module.training  # not train(): the children keep their own modes
     return new
 
 
-def replace_groupnorm(model):
+def _record_activation_pairs(model):
+    """Sets next_activation on each of our GroupNorms that an nn.Sequential
+    runs right before a known activation; returns how many."""
+    recorded = 0
+    for parent in model.modules():
+        if type(parent).forward is not nn.Sequential.forward:
+            continue
+        children = list(parent._modules.values())
+        for first, second in zip(children, children[1:]):
+            name = _activation_name(second)
+            if type(first) is GroupNorm and name is not None:
+                first.next_activation = name
+                recorded += 1
+    return recorded
+
+
+def _layers(count):
+    return f"{count} GroupNorm layer{'' if count == 1 else 's'}"
+
+
+def replace_groupnorm(model, *, strict=False, verbose=False):
     """Swaps every nn.GroupNorm inside `model` (in place) for GroupNorm, keeping
-    its parameters; returns the model (or the replacement, if `model` itself is
-    an nn.GroupNorm)."""
-    if type(model) is nn.GroupNorm:
-        return _converted(model)
-    for name, child in model.named_children():
-        if type(child) is nn.GroupNorm:
-            setattr(model, name, _converted(child))
-        else:
-            replace_groupnorm(child)
+    its parameters, buffers, hooks and training mode; returns the model (or
+    the replacement, if `model` itself is one).
+
+    Subclasses are swapped when their forward is known to compute what ours
+    does: inherited from nn.GroupNorm, or timm's GroupNorm, GroupNorm1 (both
+    become GroupNorm), GroupNormAct and GroupNorm1Act (GroupNormAct, keeping
+    drop and act). Any other is left as it is: one warning names each, or
+    with strict=True a GroupNormError (also a TypeError) does, before anything
+    is swapped. verbose=True prints the counts by class. A GroupNorm that an
+    nn.Sequential runs right before a known activation gets that activation's
+    name in next_activation (the Sequential is unchanged)."""
+    swaps, left, already_ours = {}, [], 0
+    for name, module in model.named_modules():
+        if isinstance(module, GroupNorm):
+            already_ours += 1
+        elif isinstance(module, nn.GroupNorm):
+            cls, reason = _replacement_class(module)
+            if cls is None:
+                left.append(f"{name or 'the model'} ({_kind(module)}): {reason}")
+            else:
+                swaps[id(module)] = (module, cls)
+    if left:
+        message = f"replace_groupnorm: left {_layers(len(left))} alone: " + "; ".join(left)
+        if strict:
+            raise _WrongType(message)
+        warnings.warn(message + ". strict=True makes this an error.", stacklevel=2)
+    new_of = {key: _converted(module, cls) for key, (module, cls) in swaps.items()}
+    for parent in [*model.modules(), *new_of.values()]:
+        for name, child in list(parent._modules.items()):
+            if id(child) in new_of:
+                setattr(parent, name, new_of[id(child)])
+    model = new_of.get(id(model), model)
+    paired = _record_activation_pairs(model)
+    if verbose:
+        kinds = [_kind(module) for module, _ in swaps.values()]
+        counts = ", ".join(f"{kinds.count(kind)} {kind}" for kind in dict.fromkeys(kinds))
+        print(f"replace_groupnorm: replaced {_layers(len(swaps))}"
+              f"{': ' + counts if counts else ''}; left {len(left)}"
+              + (f"; {already_ours} already ours" if already_ours else "")
+              + (f"; {paired} followed by an activation in an nn.Sequential" if paired else ""))
     return model
 
 

@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -428,6 +429,256 @@ def test_replace_groupnorm_keeps_parameters():
     single = gn.replace_groupnorm(nn.GroupNorm(2, 4))
     assert type(single) is gn.GroupNorm
     assert "(1): groupnorm_inline.GroupNorm(2, 8" in repr(model)
+
+
+def _timm_stand_ins():
+    """Stand-ins for timm.layers' GroupNorm classes (timm 1.0, fast norm off):
+    their names, constructors (channels first, none for the *1 classes' groups,
+    drop and act made from layer classes) and forwards, so that the swap's
+    logic is tested without timm. The fake_timm fixture installs them where
+    timm's live."""
+    def norm(self, x):
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+    def norm_act(self, x):
+        x = F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+        x = self.drop(x)
+        x = self.act(x)
+        return x
+
+    class GroupNorm(nn.GroupNorm):
+        __module__, __qualname__, forward = "timm.layers.norm", "GroupNorm", norm
+
+        def __init__(self, num_channels, num_groups=32, eps=1e-5, affine=True, **kwargs):
+            super().__init__(num_groups, num_channels, eps=eps, affine=affine, **kwargs)
+            self._fast_norm = False
+
+    class GroupNorm1(nn.GroupNorm):
+        __module__, __qualname__ = "timm.layers.norm", "GroupNorm1"
+
+        def __init__(self, num_channels, **kwargs):
+            super().__init__(1, num_channels, **kwargs)
+            self._fast_norm = False
+
+        def forward(self, x):  # a function of its own, as in timm
+            return norm(self, x)
+
+    class GroupNormAct(nn.GroupNorm):
+        __module__, __qualname__, forward = "timm.layers.norm_act", "GroupNormAct", norm_act
+
+        def __init__(self, num_channels, num_groups=32, eps=1e-5, affine=True, act_layer=nn.ReLU,
+                     drop_layer=None):
+            super().__init__(num_groups, num_channels, eps=eps, affine=affine)
+            self.drop = drop_layer() if drop_layer is not None else nn.Identity()
+            self.act = act_layer() if act_layer is not None else nn.Identity()
+            self._fast_norm = False
+
+    class GroupNorm1Act(GroupNormAct):
+        __module__, __qualname__ = "timm.layers.norm_act", "GroupNorm1Act"
+
+        def __init__(self, num_channels, eps=1e-5, affine=True, act_layer=nn.ReLU,
+                     drop_layer=None):
+            super().__init__(num_channels, 1, eps, affine, act_layer, drop_layer)
+
+        def forward(self, x):
+            return norm_act(self, x)
+
+    return GroupNorm, GroupNorm1, GroupNormAct, GroupNorm1Act
+
+
+TIMM_STAND_INS = _timm_stand_ins()
+
+
+@pytest.fixture
+def fake_timm(monkeypatch):
+    """timm.layers.norm and timm.layers.norm_act holding the stand-ins; returns
+    them by name."""
+    classes = {cls.__qualname__: cls for cls in TIMM_STAND_INS}
+    for module_name in ("timm.layers.norm", "timm.layers.norm_act"):
+        module = type(sys)(module_name)
+        vars(module).update((name, cls) for name, cls in classes.items()
+                            if cls.__module__ == module_name)
+        monkeypatch.setitem(sys.modules, module_name, module)
+    return types.SimpleNamespace(**classes)
+
+
+class _InheritsForward(nn.GroupNorm):
+    """A subclass with another constructor and an extra buffer, nn.GroupNorm's forward."""
+
+    def __init__(self, num_channels):
+        super().__init__(4, num_channels)
+        self.register_buffer("seen", torch.zeros(()))
+
+
+class _CustomForward(nn.GroupNorm):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def timm_like_model(timm):
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), timm.GroupNorm(8, 4), timm.GroupNorm1(8),
+        timm.GroupNormAct(8, 2, act_layer=nn.SiLU, drop_layer=lambda: nn.Dropout(0.5)),
+        timm.GroupNorm1Act(8, act_layer=lambda: nn.LeakyReLU(0.2)), _InheritsForward(8),
+        nn.GroupNorm(2, 8))
+
+
+def randomized(model):
+    for parameter in model.parameters():
+        parameter.data.normal_()
+    return model
+
+
+def test_replace_groupnorm_swaps_subclasses_it_can_serve(fake_timm, capsys):
+    model = randomized(timm_like_model(fake_timm)).double()
+    parameters = dict(model.named_parameters())
+    children = model[3].drop, model[3].act, model[4].act
+    calls = []
+    handle = model[1].register_forward_hook(lambda module, args, output: calls.append(module))
+    keys = list(model.state_dict())
+    x = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    expected = model.eval()(x)
+    model.train()
+    model[3].drop.eval()  # modes are kept module by module
+    calls.clear()
+    assert gn.replace_groupnorm(model, verbose=True) is model
+    assert capsys.readouterr().out == (
+        "replace_groupnorm: replaced 6 GroupNorm layers: 1 timm GroupNorm, 1 timm GroupNorm1, "
+        "1 timm GroupNormAct, 1 timm GroupNorm1Act, 1 test_groupnorm._InheritsForward, "
+        "1 nn.GroupNorm; left 0\n")
+    assert [type(m) for m in model[1:]] == [gn.GroupNorm, gn.GroupNorm, gn.GroupNormAct,
+                                            gn.GroupNormAct, gn.GroupNorm, gn.GroupNorm]
+    assert model[2].num_groups == 1 and model[4].num_groups == 1 and model[3].num_groups == 2
+    assert all(p is parameters[name] for name, p in model.named_parameters())
+    assert len(dict(model.named_parameters())) == len(parameters)
+    assert (model[3].drop, model[3].act, model[4].act) == children
+    assert (model[3].activation, model[4].activation) == ("silu", "leaky_relu(0.2)")
+    assert list(model.state_dict()) == keys and "5.seen" in keys
+    assert model[1].weight.dtype == torch.float64
+    assert model.training and model[3].training and not model[3].drop.training
+    model.eval()
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)  # the dropout was off
+    assert calls == [model[1]]  # hooks carried over; their handles still work
+    handle.remove()
+    model(x)
+    assert len(calls) == 1
+    assert "groupnorm_inline.GroupNormAct(" in repr(model) and "(drop): Dropout" in repr(model)
+
+
+def test_replace_groupnorm_state_dict_both_ways(fake_timm):
+    theirs = timm_like_model(fake_timm).eval()
+    ours = gn.replace_groupnorm(randomized(timm_like_model(fake_timm)).eval(), strict=True)
+    x = torch.randn(2, 3, 7, 7)
+    theirs.load_state_dict(ours.state_dict())
+    torch.testing.assert_close(theirs(x), ours(x), rtol=0, atol=0)
+    randomized(theirs)
+    ours.load_state_dict(theirs.state_dict())
+    torch.testing.assert_close(theirs(x), ours(x), rtol=0, atol=0)
+
+
+def test_replace_groupnorm_model_is_a_groupnorm(fake_timm):
+    theirs = fake_timm.GroupNormAct(6, 3, act_layer=nn.GELU)
+    ours = gn.replace_groupnorm(theirs)
+    assert type(ours) is gn.GroupNormAct and ours.weight is theirs.weight
+    assert ours.act is theirs.act and ours.activation == "gelu"
+    assert gn.replace_groupnorm(ours) is ours  # already ours: nothing to do
+    inherits = type("Inherits", (fake_timm.GroupNormAct,), {})(6, 3)  # timm's forward
+    assert type(gn.replace_groupnorm(inherits, strict=True)) is gn.GroupNormAct
+    overrides = type("Overrides", (fake_timm.GroupNormAct,), {"forward": lambda self, x: x})(6, 3)
+    with pytest.raises(TypeError, match="its forward .*Overrides"):
+        gn.replace_groupnorm(overrides, strict=True)
+
+
+def test_replace_groupnorm_leaves_what_it_cannot_serve(fake_timm):
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, weight):
+            return weight * 2
+
+    fast = fake_timm.GroupNorm(8, 4)
+    fast._fast_norm = True  # timm: runs in the autocast dtype
+    replaced_forward = nn.GroupNorm(2, 8)
+    replaced_forward.forward = lambda x: x
+    parametrized = nn.GroupNorm(2, 8)
+    parametrize.register_parametrization(parametrized, "weight", Doubled())
+    model = nn.Sequential(nn.GroupNorm(2, 8), nn.Sequential(_CustomForward(2, 8)), fast,
+                          replaced_forward, parametrized)
+    with pytest.raises(gn.GroupNormError) as raised:
+        gn.replace_groupnorm(model, strict=True)
+    assert isinstance(raised.value, TypeError)
+    message = str(raised.value)
+    assert message.startswith("replace_groupnorm: left 4 GroupNorm layers alone: ")
+    assert "1.0 (test_groupnorm._CustomForward): its forward (from test_groupnorm._CustomForward)" \
+           " is neither nn.GroupNorm's nor a timm GroupNorm's" in message
+    assert "2 (timm GroupNorm): timm's fast norm is on" in message
+    assert "3 (nn.GroupNorm): its forward was replaced on the instance" in message
+    assert "4 (torch.nn.utils.parametrize.ParametrizedGroupNorm): its weight or bias" in message
+    assert type(model[0]) is nn.GroupNorm  # strict: nothing swapped
+    with pytest.warns(UserWarning, match=r"left 4 GroupNorm layers alone: .*strict=True"):
+        assert gn.replace_groupnorm(model) is model
+    assert type(model[0]) is gn.GroupNorm
+    assert [type(m) for m in model[1:]] == [nn.Sequential, fake_timm.GroupNorm, nn.GroupNorm,
+                                            type(parametrized)]
+    custom = _CustomForward(2, 8)
+    with pytest.warns(UserWarning, match="left 1 GroupNorm layer alone: the model "):
+        assert gn.replace_groupnorm(custom) is custom
+
+
+def test_replace_groupnorm_records_activation_pairs():
+    model = nn.Sequential(
+        nn.Sequential(nn.GroupNorm(2, 8), nn.SiLU()),
+        nn.Sequential(nn.GroupNorm(2, 8), nn.LeakyReLU(0.1), nn.GroupNorm(2, 8), nn.GELU("tanh")),
+        nn.Sequential(nn.GroupNorm(2, 8), type("MySiLU", (nn.SiLU,), {})()),  # may differ
+        nn.Sequential(nn.GroupNorm(2, 8), nn.Dropout(), nn.ReLU()), nn.GroupNorm(2, 8), nn.ReLU())
+    keys, x = list(randomized(model).eval().state_dict()), torch.randn(2, 8, 5)
+    expected = model(x)
+    gn.replace_groupnorm(model)
+    assert list(model.state_dict()) == keys
+    assert [m.next_activation for m in model.modules() if isinstance(m, gn.GroupNorm)] == [
+        "silu", "leaky_relu(0.1)", "gelu_tanh", None, None, "relu"]
+    assert [type(m) for m in model[0]] == [gn.GroupNorm, nn.SiLU]  # structure unchanged
+    torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name, layers", [("resnet50_gn", 53), ("efficientnet_b0_gn", 49)])
+def test_replace_groupnorm_timm_models(name, layers, capsys):
+    timm = pytest.importorskip("timm")
+    theirs = timm.create_model(name, pretrained=False).eval()
+    ours = timm.create_model(name, pretrained=False).eval()
+    ours.load_state_dict(theirs.state_dict())
+    gn.replace_groupnorm(ours, strict=True, verbose=True)
+    assert f"replaced {layers} GroupNorm layers: " in capsys.readouterr().out
+    assert sum(isinstance(m, gn.GroupNorm) for m in ours.modules()) == layers
+    assert not any(isinstance(m, nn.GroupNorm) and not isinstance(m, gn.GroupNorm)
+                   for m in ours.modules())
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+    randomized(ours)
+    theirs.load_state_dict(ours.state_dict())  # and back: the keys are the same
+    ours.load_state_dict(theirs.state_dict())
+
+
+def test_replace_groupnorm_timm_layers():
+    timm = pytest.importorskip("timm")
+    from timm.layers import GroupNorm1Act, GroupNormAct, set_fast_norm
+    acts = ["silu", "gelu", "gelu_tanh", "relu", "tanh", "sigmoid", "hard_swish", "mish", "swish"]
+    model = nn.Sequential(*[GroupNormAct(8, 2, act_layer=act) for act in acts],
+                          GroupNorm1Act(8, act_layer="leaky_relu"),
+                          GroupNormAct(8, 2, apply_act=False))
+    gn.replace_groupnorm(model, strict=True)
+    assert [m.activation for m in model] == ["silu", "gelu", "gelu_tanh", "relu", "tanh",
+                                             "sigmoid", "hardswish", "mish", "silu",
+                                             "leaky_relu(0.01)", None]
+    assert type(gn.replace_groupnorm(timm.layers.GroupNorm1(8))) is gn.GroupNorm
+    set_fast_norm(True)
+    try:
+        fast = timm.layers.GroupNorm(8, 2)
+    finally:
+        set_fast_norm(False)
+    with pytest.raises(TypeError, match="fast norm"):
+        gn.replace_groupnorm(fast, strict=True)
 
 
 def kernelbench_reference_model():
