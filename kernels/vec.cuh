@@ -148,11 +148,11 @@ struct Unrolled {
   }
 };
 
-template <typename VecT, int U, typename F, typename Raw, int kStreams, int kInFlight, size_t... S>
+template <typename VecT, typename F, typename Raw, int kStreams, int kInFlight, size_t... S>
 __device__ __forceinline__ void call_with_vecs(F& f, int64_t i,
-                                               const Raw (&held)[kStreams][kInFlight],
+                                               const Raw (&held)[kStreams][kInFlight], int u,
                                                std::index_sequence<S...>) {
-  f(i, as_vec<VecT>(held[S][U])...);
+  f(i, as_vec<VecT>(held[S][u])...);
 }
 }  // namespace detail
 
@@ -160,6 +160,9 @@ __device__ __forceinline__ void call_with_vecs(F& f, int64_t i,
 // vector of a stream at streams[s] + i * stride, with kInFlight loads of
 // every stream issued before the first use: input not kept on chip comes
 // from L2 or DRAM, where one load at a time would leave the memory pipe idle.
+// The two forms are what ptxas schedules best (docs/DESIGN.md, "load_each"):
+// compile-time indices for one stream, plain unrolled loops for two, which
+// keep every load of a dx kernel ahead of its first store.
 template <int kInFlight, typename scalar_t, int V, typename F, typename... Streams>
 __device__ __forceinline__ void load_each(int64_t begin, int64_t end, int step, int64_t stride,
                                           F&& f, const Streams*... streams) {
@@ -169,23 +172,34 @@ __device__ __forceinline__ void load_each(int64_t begin, int64_t end, int step, 
   const scalar_t* base[kStreams] = {streams...};
   for (int64_t i0 = begin; i0 < end; i0 += int64_t(kInFlight) * step) {
     Raw held[kStreams][kInFlight];
-    detail::Unrolled<0, kInFlight>::run([&](auto item) {
-      constexpr int u = decltype(item)::value;
-      const int64_t i = i0 + int64_t(u) * step;
-      if (i < end) {
+    if constexpr (kStreams == 1) {
+      detail::Unrolled<0, kInFlight>::run([&](auto item) {
+        constexpr int u = decltype(item)::value;
+        const int64_t i = i0 + int64_t(u) * step;
+        if (i < end) held[0][u] = *reinterpret_cast<const Raw*>(base[0] + i * stride);
+      });
+      detail::Unrolled<0, kInFlight>::run([&](auto item) {
+        constexpr int u = decltype(item)::value;
+        const int64_t i = i0 + int64_t(u) * step;
+        if (i < end) f(i, as_vec<VecT>(held[0][u]));
+      });
+    } else {
 #pragma unroll
-        for (int s = 0; s < kStreams; ++s) {
-          held[s][u] = *reinterpret_cast<const Raw*>(base[s] + i * stride);
+      for (int u = 0; u < kInFlight; ++u) {
+        const int64_t i = i0 + int64_t(u) * step;
+        if (i < end) {
+#pragma unroll
+          for (int s = 0; s < kStreams; ++s) {
+            held[s][u] = *reinterpret_cast<const Raw*>(base[s] + i * stride);
+          }
         }
       }
-    });
-    detail::Unrolled<0, kInFlight>::run([&](auto item) {
-      constexpr int u = decltype(item)::value;
-      const int64_t i = i0 + int64_t(u) * step;
-      if (i < end) {
-        detail::call_with_vecs<VecT, u>(f, i, held, std::make_index_sequence<kStreams>{});
+#pragma unroll
+      for (int u = 0; u < kInFlight; ++u) {
+        const int64_t i = i0 + int64_t(u) * step;
+        if (i < end) detail::call_with_vecs<VecT>(f, i, held, u, std::make_index_sequence<kStreams>{});
       }
-    });
+    }
   }
 }
 
