@@ -313,12 +313,8 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
     s1 += weight(c) * t_dy;
     s2 += weight(c) * t_dyx;
   };
-  if (kPairsInFlight > 2 && at.chunks >= 4 * pair_set_lanes(D)) {
-    add_pair_sets<kPairsInFlight>(channels, at.chunks, at.stride_c, at.stride_k, D, red_dy, red_dyx,
-                                  store);
-  } else {
-    add_pair_sets<2>(channels, at.chunks, at.stride_c, at.stride_k, D, red_dy, red_dyx, store);
-  }
+  add_pair_sets<kPairsInFlight, 2>(channels, at.chunks, at.stride_c, at.stride_k, D, red_dy,
+                                   red_dyx, store);
   if (coef == nullptr) return;  // the same in every thread
   block_sums(scratch, s1, s2);
   const A M = A(D) * A(HxW);

@@ -222,19 +222,15 @@ __device__ __forceinline__ void add_pairs(const A* p, int64_t first, int64_t end
   }
 }
 
-// Lanes of the block that add each of `width` pair sets: add_pair_sets
-// gives min(width, blockDim.x) sets a pass, the rest of the threads lanes.
-__device__ __forceinline__ int pair_set_lanes(int width) {
-  return int(blockDim.x) / min(width, int(blockDim.x));
-}
-
 // For each j < width, adds the `count` pairs of set j (pair k at base +
 // (j * set_stride + k * pair_stride) * 2) and calls store(j, a, b) in one
 // thread. Threads take (j, lane) pairs, j fastest (coalesced where sets are
 // adjacent), add their pairs in order, then the lanes of each j are added in
-// order. kInFlight: pairs a thread has in flight (add_pairs). red_a, red_b:
-// blockDim.x values of shared memory each.
-template <int kInFlight, typename A, typename Store>
+// order. kInFlight: pairs a thread has in flight (add_pairs), or
+// kFewInFlight when the sets have fewer than 4 pairs a lane: chosen inside
+// the one loop, which keeps a kernel's code small (a latency-bound kernel
+// pays for its size). red_a, red_b: blockDim.x values of shared memory each.
+template <int kInFlight, int kFewInFlight = kInFlight, typename A, typename Store>
 __device__ __forceinline__ void add_pair_sets(const A* base, int64_t count, int64_t set_stride,
                                               int64_t pair_stride, int width, A* red_a, A* red_b,
                                               Store store) {
@@ -243,11 +239,20 @@ __device__ __forceinline__ void add_pair_sets(const A* base, int64_t count, int6
   const int lanes = int(blockDim.x) / span;
   const int j_in = tid % span;
   const int lane = tid / span;
+  const bool few = kFewInFlight != kInFlight && count < 4 * lanes;
   for (int j0 = 0; j0 < width; j0 += span) {
     A a = 0, b = 0;
     if (lane < lanes && j0 + j_in < width) {
-      add_pairs<kInFlight>(base + int64_t(j0 + j_in) * set_stride * 2, lane, count, lanes,
-                           pair_stride, a, b);
+      const A* set = base + int64_t(j0 + j_in) * set_stride * 2;
+      if constexpr (kFewInFlight != kInFlight) {
+        if (few) {
+          add_pairs<kFewInFlight>(set, lane, count, lanes, pair_stride, a, b);
+        } else {
+          add_pairs<kInFlight>(set, lane, count, lanes, pair_stride, a, b);
+        }
+      } else {
+        add_pairs<kInFlight>(set, lane, count, lanes, pair_stride, a, b);
+      }
     }
     __syncthreads();  // the tables may still be read from the last pass
     red_a[tid] = a;
