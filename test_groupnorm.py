@@ -6,6 +6,7 @@ compare with a float64 reference on fresh random data, and poison the memory
 the output will occupy before every call.
 """
 
+import copy
 import importlib.util
 import inspect
 import math
@@ -2466,3 +2467,22 @@ def test_gpu_bundles_run(tmp_path):
         with torch.no_grad():
             torch.testing.assert_close(candidate(x), reference(x), atol=1e-4, rtol=1e-4)
         del x
+
+
+@pytest.mark.parametrize("name", ["unet", "vae", "resnet50_gn", "efficientnet_b3_gn", "segresnet"])
+def test_models_benchmark_swaps_every_groupnorm_of_tiny_models(name):
+    # The model families of benchmarks/models.py at toy sizes on the CPU:
+    # every GroupNorm swapped (strict), the same outputs, state_dicts that
+    # load both ways. (On the CPU our group_norm is torch's: equal errors.)
+    pytest.importorskip({"unet": "diffusers", "vae": "diffusers", "segresnet": "monai"}.get(name, "timm"))
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    import models
+
+    result = models.run_model(name, ["eager"], 1, torch.device("cpu"), tiny=True)
+    assert result["swapped"] == result["groupnorms"] > 0, result
+    assert result["variants"]["ours"]["max_error"] == result["variants"]["torch"]["max_error"]
+    model = models.MODELS[name](True)[0]
+    swapped = gn.replace_groupnorm(copy.deepcopy(model), strict=True)
+    assert list(swapped.state_dict()) == list(model.state_dict())
+    swapped.load_state_dict(model.state_dict())
+    model.load_state_dict(swapped.state_dict())

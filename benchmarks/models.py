@@ -1,0 +1,257 @@
+"""Whole models with torch's GroupNorm (as shipped) and with ours.
+
+    python benchmarks/models.py [--models unet,vae,resnet50_gn,efficientnet_b3_gn,segresnet]
+                                [--modes eager,compile,reduce-overhead,train] [--rounds 5]
+                                [--json PATH] [--markdown PATH] [--tiny]
+
+Real architectures with random weights and the configurations people run
+(requirements-models.txt: diffusers, timm, MONAI):
+- unet: diffusers' SD1.5 UNet2DConditionModel, fp16, batch 2, 64x64 latent,
+  text states 2x77x768;
+- vae: the SD VAE decoder (AutoencoderKL.decode), bf16, channels_last,
+  1x4x64x64 latent to 512x512;
+- resnet50_gn, efficientnet_b3_gn: timm, bf16, channels_last, batch 32, 224x224;
+- segresnet: MONAI SegResNet 3-D, bf16, 1x4x128x128x128.
+
+Per model and variant ("torch": as shipped; "ours": replace_groupnorm): the
+largest error against a float64 copy of the same weights, relative to the
+output's largest magnitude; forward time in eager mode, compiled (default,
+and mode="reduce-overhead": CUDA graphs) and a training step (forward, a
+mean-square loss, backward) in eager mode; the first compiled call's wall
+time. Times are medians of CUDA-event timings; the variants alternate,
+round by round, in one process on one card. --tiny builds the same model
+families at toy sizes on the CPU in float32: a smoke test of the harness
+(test_groupnorm.py runs it), not a measurement.
+"""
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import groupnorm_inline as gn  # noqa: E402
+
+MODES = ("eager", "compile", "reduce-overhead", "train")
+
+
+def sd_unet(tiny):
+    from diffusers import UNet2DConditionModel
+
+    channels = (32, 64) if tiny else (320, 640, 1280, 1280)
+    down = ("CrossAttnDownBlock2D",) * (len(channels) - 1) + ("DownBlock2D",)
+    up = ("UpBlock2D",) + ("CrossAttnUpBlock2D",) * (len(channels) - 1)
+    text = 32 if tiny else 768
+    model = UNet2DConditionModel(
+        sample_size=8 if tiny else 64, in_channels=4, out_channels=4, block_out_channels=channels,
+        down_block_types=down, up_block_types=up, layers_per_block=1 if tiny else 2,
+        cross_attention_dim=text, attention_head_dim=8, norm_num_groups=32 if not tiny else 8)
+    batch, size = 2, (8 if tiny else 64)
+
+    def inputs(dtype, device):
+        return (torch.randn(batch, 4, size, size, dtype=dtype, device=device),
+                torch.tensor([999.0, 500.0], device=device),
+                torch.randn(batch, 77, text, dtype=dtype, device=device))
+
+    return model, inputs, torch.float16, False, lambda m, x, t, c: m(x, t, encoder_hidden_states=c).sample
+
+
+def sd_vae_decoder(tiny):
+    from diffusers import AutoencoderKL
+
+    channels = (32, 32) if tiny else (128, 256, 512, 512)
+    model = AutoencoderKL(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=channels,
+        down_block_types=("DownEncoderBlock2D",) * len(channels),
+        up_block_types=("UpDecoderBlock2D",) * len(channels), layers_per_block=1 if tiny else 2,
+        norm_num_groups=8 if tiny else 32, sample_size=16 if tiny else 512)
+    size = 8 if tiny else 64
+
+    def inputs(dtype, device):
+        return (torch.randn(1, 4, size, size, dtype=dtype, device=device),)
+
+    return model, inputs, torch.bfloat16, True, lambda m, z: m.decode(z).sample
+
+
+def timm_model(name):
+    def build(tiny):
+        import timm
+
+        model = timm.create_model("test_efficientnet_gn" if tiny else name, pretrained=False)
+        batch, size = (2, 32) if tiny else (32, 224)
+
+        def inputs(dtype, device):
+            return (torch.randn(batch, 3, size, size, dtype=dtype, device=device),)
+
+        return model, inputs, torch.bfloat16, True, lambda m, x: m(x)
+    return build
+
+
+def segresnet(tiny):
+    from monai.networks.nets import SegResNet
+
+    model = SegResNet(spatial_dims=3, init_filters=8 if tiny else 16, in_channels=4,
+                      out_channels=3, blocks_down=(1, 2) if tiny else (1, 2, 2, 4),
+                      blocks_up=(1,) if tiny else (1, 1, 1))
+    size = 16 if tiny else 128
+
+    def inputs(dtype, device):
+        return (torch.randn(1, 4, size, size, size, dtype=dtype, device=device),)
+
+    return model, inputs, torch.bfloat16, True, lambda m, x: m(x)
+
+
+MODELS = {"unet": sd_unet, "vae": sd_vae_decoder, "resnet50_gn": timm_model("resnet50_gn"),
+          "efficientnet_b3_gn": timm_model("efficientnet_b3_gn"), "segresnet": segresnet}
+
+
+def channels_last(t, on):
+    if not on or t.dim() not in (4, 5):
+        return t
+    return t.contiguous(memory_format=torch.channels_last if t.dim() == 4 else torch.channels_last_3d)
+
+
+def groupnorm_count(model):
+    return sum(isinstance(m, torch.nn.GroupNorm) for m in model.modules())
+
+
+def ours_count(model):
+    return sum(isinstance(m, gn.GroupNorm) for m in model.modules())
+
+
+def relative_error(out, reference):
+    return ((out.double() - reference).abs().max() / reference.abs().max().clamp_min(1e-30)).item()
+
+
+def event_ms(fn, device):
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def training_step(model, call, args):
+    model.train()
+    out = call(model, *args)
+    out.float().square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def run_model(name, modes, rounds, device, tiny):
+    model, make_inputs, dtype, cl, call = MODELS[name](tiny)
+    if tiny:
+        dtype = torch.float32
+    model = model.to(device).eval()
+    torch.manual_seed(0)
+    args = tuple(channels_last(a, cl) if a.is_floating_point() else a
+                 for a in make_inputs(dtype, device))
+    reference_model = copy.deepcopy(model).double()
+    with torch.no_grad():
+        reference = call(reference_model, *(a.double() if a.is_floating_point() else a
+                                            for a in args))
+    del reference_model
+    variants = {"torch": copy.deepcopy(model).to(dtype)}
+    variants["ours"] = gn.replace_groupnorm(copy.deepcopy(model).to(dtype), strict=True)
+    if cl:
+        for m in variants.values():
+            for p in m.parameters():  # conv weights: 4-D channels_last, 5-D channels_last_3d
+                p.data = channels_last(p.data, True)
+    result = {"model": name, "dtype": str(dtype)[6:], "channels_last": cl,
+              "groupnorms": groupnorm_count(model), "swapped": ours_count(variants["ours"]),
+              "variants": {}}
+    callables = {}
+    for v, m in variants.items():
+        with torch.no_grad():
+            out = call(m, *args)
+        entry = result["variants"][v] = {"max_error": relative_error(out, reference)}
+        callables[(v, "eager")] = lambda m=m: torch.no_grad()(call)(m, *args)
+        for mode in ("compile", "reduce-overhead"):
+            if mode not in modes:
+                continue
+            torch._dynamo.reset()
+            compiled = torch.compile(m, mode=None if mode == "compile" else mode)
+            start = time.perf_counter()
+            with torch.no_grad():
+                call(compiled, *args)
+                call(compiled, *args)  # reduce-overhead records its graph on a later call
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            entry[f"{mode}_first_calls_s"] = round(time.perf_counter() - start, 2)
+            callables[(v, mode)] = lambda c=compiled: torch.no_grad()(call)(c, *args)
+        if "train" in modes:
+            callables[(v, "train")] = lambda m=m: training_step(m, call, args)
+    times = {key: [] for key in callables if key[1] in modes}
+    for fn in (callables[key] for key in times):  # warm-up
+        fn()
+    for _ in range(rounds):
+        for key in times:
+            times[key].append(event_ms(callables[key], device))
+    for (v, mode), t in times.items():
+        result["variants"][v][f"{mode}_ms"] = round(statistics.median(t), 3)
+    for mode in modes:
+        if all(f"{mode}_ms" in result["variants"][v] for v in variants):
+            result[f"{mode}_speedup"] = round(result["variants"]["torch"][f"{mode}_ms"] /
+                                              result["variants"]["ours"][f"{mode}_ms"], 3)
+    return result
+
+
+def markdown(results):
+    lines = ["| model | GroupNorms swapped | mode | torch ms | ours ms | speed-up |",
+             "|---|---:|---|---:|---:|---:|"]
+    for r in results:
+        for mode in MODES:
+            if f"{mode}_speedup" in r:
+                lines.append(f"| {r['model']} | {r['swapped']}/{r['groupnorms']} | {mode} | "
+                             f"{r['variants']['torch'][f'{mode}_ms']:.2f} | "
+                             f"{r['variants']['ours'][f'{mode}_ms']:.2f} | {r[f'{mode}_speedup']:.2f} |")
+    lines += ["", "| model | error torch | error ours |", "|---|---:|---:|"]
+    lines += [f"| {r['model']} | {r['variants']['torch']['max_error']:.2e} | "
+              f"{r['variants']['ours']['max_error']:.2e} |" for r in results]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json")
+    parser.add_argument("--markdown")
+    parser.add_argument("--tiny", action="store_true", help="toy sizes on the CPU (smoke test)")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.tiny:
+        parser.error("no CUDA device: only --tiny runs on the CPU")
+    modes = [m for m in args.modes.split(",") if m]
+    if device.type == "cpu":
+        modes = [m for m in modes if m != "reduce-overhead"]  # CUDA graphs
+    results = [run_model(name, modes, args.rounds, device, args.tiny)
+               for name in args.models.split(",") if name]
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "cuda": torch.version.cuda,
+              "date": time.strftime("%Y-%m-%d"), "rounds": args.rounds, "results": results}
+    print(json.dumps(report, indent=1))
+    print(markdown(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(markdown(results) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()
