@@ -37,6 +37,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GroupNorm", "GroupNormAct", "group_norm", "groupnorm_cuda", "replace_groupnorm", "plan",
     "GroupNormError", "ToolchainError", "load", "sources", "extension_name",
+    "enable_compile_fusion", "disable_compile_fusion",
 ]
 
 # ---------------------------------------------------------------------------
@@ -883,6 +884,107 @@ def replace_groupnorm(model, *, strict=False, verbose=False):
               + (f"; {already_ours} already ours" if already_ours else "")
               + (f"; {paired} followed by an activation in an nn.Sequential" if paired else ""))
     return model
+
+
+# ---------------------------------------------------------------------------
+# torch.compile: torch's own GroupNorm calls rewritten to the operator
+# ---------------------------------------------------------------------------
+
+def _rewrite_group_norms(graph, devices=("cuda",)):
+    """Replaces each F.group_norm call in a pre-grad FX graph (what Dynamo
+    traces of nn.GroupNorm and F.group_norm) whose input this module's
+    kernels serve exactly (a float tensor on `devices`, weight and bias None
+    or of its dtype and device, constant groups and eps) by the operator
+    <ns>::forward. Graphs under autocast are left as they are: there torch
+    computes GroupNorm in float32. Returns how many calls it replaced."""
+    import operator
+
+    if any(node.op == "call_function" and "autocast" in str(node.target) for node in graph.nodes):
+        return 0
+    signature = inspect.signature(F.group_norm)
+    replaced = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not F.group_norm:
+            continue
+        try:
+            bound = signature.bind(*node.args, **node.kwargs)
+        except TypeError:
+            continue
+        bound.apply_defaults()
+        x, groups, weight, bias, eps = (bound.arguments[k] for k in signature.parameters)
+        value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+        if (not isinstance(value, torch.Tensor) or value.device.type not in devices
+                or value.dtype not in _FLOAT_DTYPES or value.dim() < 2
+                or not isinstance(groups, int) or isinstance(groups, bool)
+                or not isinstance(eps, (int, float)) or isinstance(eps, bool)
+                or groups <= 0 or value.shape[1] % groups != 0):
+            continue
+        affine = [t.meta.get("example_value") if isinstance(t, torch.fx.Node) else t
+                  for t in (weight, bias)]
+        if any(t is not None and (not isinstance(t, torch.Tensor) or t.dtype != value.dtype
+                                  or t.device != value.device) for t in affine):
+            continue
+        with graph.inserting_before(node):
+            outputs = graph.call_function(_OPS.forward.default, (x, weight, bias, groups, float(eps)))
+            y = graph.call_function(operator.getitem, (outputs, 0))
+        y.meta.update(node.meta)
+        node.replace_all_uses_with(y)
+        graph.erase_node(node)
+        replaced += 1
+    return replaced
+
+
+_compile_pass = None  # the pass enable_compile_fusion installed
+
+
+def enable_compile_fusion():
+    """Installs an Inductor graph pass: graphs that torch.compile compiles
+    from now on (the default backend) run torch's own nn.GroupNorm and
+    F.group_norm on CUDA tensors as this module's operator, forward and
+    backward, without changing the model. (Our GroupNorm and group_norm
+    reach the operator anyway.) A CustomGraphPass with a uuid(), so
+    Inductor's FX graph cache keeps working. Returns nothing; see
+    disable_compile_fusion."""
+    global _compile_pass
+    import marshal
+
+    from torch._inductor import config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    load()  # the compiled graphs call the operator's kernels
+    if _compile_pass is not None:
+        return
+
+    class GroupNormPass(CustomGraphPass):
+        def __call__(self, graph):
+            _rewrite_group_norms(graph)
+
+        def uuid(self):
+            code = marshal.dumps(_rewrite_group_norms.__code__)
+            return hashlib.sha256(code + _NAMESPACE.encode() + __version__.encode()).hexdigest()
+
+    installed = config.pre_grad_custom_pass
+    if installed is not None and not isinstance(installed, (list, tuple)):
+        installed = [installed]
+    _compile_pass = GroupNormPass()
+    config.pre_grad_custom_pass = [*(installed or []), _compile_pass] if installed else _compile_pass
+
+
+def disable_compile_fusion():
+    """Removes the pass enable_compile_fusion installed (graphs compiled
+    meanwhile keep it)."""
+    global _compile_pass
+    if _compile_pass is None:
+        return
+    from torch._inductor import config
+
+    installed = config.pre_grad_custom_pass
+    if isinstance(installed, (list, tuple)):
+        rest = [p for p in installed if p is not _compile_pass]
+        config.pre_grad_custom_pass = rest if len(rest) > 1 else (rest[0] if rest else None)
+    elif installed is _compile_pass:
+        config.pre_grad_custom_pass = None
+    _compile_pass = None
 
 
 def _tools():

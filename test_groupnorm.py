@@ -2486,3 +2486,92 @@ def test_models_benchmark_swaps_every_groupnorm_of_tiny_models(name):
     assert list(swapped.state_dict()) == list(model.state_dict())
     swapped.load_state_dict(model.state_dict())
     model.load_state_dict(swapped.state_dict())
+
+
+def _dynamo_graph(fn, *args):
+    """The pre-grad FX graph Dynamo traces of fn(*args), as Inductor's
+    pre-grad passes see it."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    try:
+        torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    except RuntimeError:
+        pass  # running it may fail (torch refuses mixed dtypes on the CPU): traced already
+    return graphs[0]
+
+
+def test_compile_pass_rewrites_torch_group_norm_it_serves_exactly():
+    block = nn.Sequential(nn.Conv2d(4, 8, 3), nn.GroupNorm(2, 8), nn.SiLU())
+    gm = _dynamo_graph(block, torch.randn(1, 4, 8, 8))
+    assert gn._rewrite_group_norms(gm.graph, devices=("cpu",)) == 1
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert F.group_norm not in targets and gn._OPS.forward.default in targets
+    gm.graph.lint()
+    # on a device it is not asked to serve, nothing changes
+    gm = _dynamo_graph(block, torch.randn(1, 4, 8, 8))
+    assert gn._rewrite_group_norms(gm.graph) == 0
+
+
+@pytest.mark.parametrize("case", ["weight of another dtype", "autocast"])
+def test_compile_pass_leaves_what_torch_must_compute(case):
+    x, w = torch.randn(2, 8, 5), torch.randn(8)
+    if case == "weight of another dtype":
+        gm = _dynamo_graph(lambda t: F.group_norm(t, 2, w.double()), x)
+    else:
+        def autocast_group_norm(t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return F.group_norm(t, 2, w)
+        gm = _dynamo_graph(autocast_group_norm, x)
+    assert any(n.target is F.group_norm for n in gm.graph.nodes)
+    assert gn._rewrite_group_norms(gm.graph, devices=("cpu",)) == 0
+
+
+def test_enable_compile_fusion_installs_one_pass_with_a_uuid(monkeypatch):
+    from torch._inductor import config
+    try:
+        gn.load()
+    except gn.ToolchainError as error:
+        pytest.skip(f"the extension cannot be built here: {error}")
+    monkeypatch.setattr(config, "pre_grad_custom_pass", None)
+    gn.enable_compile_fusion()
+    gn.enable_compile_fusion()  # twice: still one
+    installed = config.pre_grad_custom_pass
+    assert installed is gn._compile_pass and installed.uuid() == installed.uuid()
+    gn.disable_compile_fusion()
+    assert config.pre_grad_custom_pass is None and gn._compile_pass is None
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_compile_fusion_runs_our_kernels_for_torchs_group_norm(dtype):
+    from torch.profiler import ProfilerActivity, profile
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.SiLU()).cuda()
+    model = model.to(dtype)
+    x = torch.randn(2, 16, 12, 12, device="cuda", dtype=dtype)
+    expected = model(x)
+    expected.float().square().sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    gn.enable_compile_fusion()
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, fullgraph=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = compiled(x)
+            out.float().square().sum().backward()
+            torch.cuda.synchronize()
+    finally:
+        gn.disable_compile_fusion()
+        torch._dynamo.reset()
+    names = [e.name for e in prof.events()]
+    assert any("groupnorm_forward" in n for n in names), names
+    assert any("groupnorm_backward" in n for n in names), names
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
+    for p, g in zip(model.parameters(), grads):
+        torch.testing.assert_close(p.grad, g, rtol=10 * tol, atol=10 * tol)
