@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # One GPU session's worth of evidence: build, the full test suite, the
 # self-check and the benchmarks, each logged under $OUT (default: gpu-logs/).
-#   bash benchmarks/run_gpu.sh [tests] [selfcheck] [bench] [training] [quick] [-k EXPR]
-#   (default: tests selfcheck bench training; -k passes a test selection to pytest)
+#   bash benchmarks/run_gpu.sh [tests] [selfcheck] [bench] [training] [quick] [host] [models]
+#                              [ab] [-k EXPR]
+#   (default: tests selfcheck bench training; -k passes a test selection to pytest;
+#   host: host_overhead.py; models: models.py; ab: ab_compare.py against the
+#   checkout at $AB_BASE)
 # At most eight files, so every one comes back from a remote run: env.txt
 # (card, versions, build), tests.log, selfcheck.log, bench.{json,md,png},
 # training.{json,md}. Tables also go to stdout.
@@ -29,13 +32,18 @@ python3 -c "import groupnorm_inline" 2>&1 | tee -a "$OUT/env.txt" || exit 1
 status=0
 for step in "${steps[@]}"; do
   case $step in
-    tests) python3 -m pytest -q -rfEs --tb=short ${select[@]+"${select[@]}"} test_groupnorm.py 2>&1 | tee "$OUT/tests.log" || status=1 ;;
+    tests) python3 -m pytest -q -rfEs --tb=short ${select[@]+"${select[@]}"} test_*.py 2>&1 | tee "$OUT/tests.log" || status=1 ;;
     selfcheck) python3 groupnorm_inline.py 2>&1 | tee "$OUT/selfcheck.log" || status=1 ;;
     bench) python3 benchmarks/bench_groupnorm.py --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
              --png "$OUT/bench.png" || status=1 ;;
     training) python3 benchmarks/bench_groupnorm.py --training --json "$OUT/training.json" \
              --markdown "$OUT/training.md" || status=1 ;;
     quick) python3 benchmarks/bench_groupnorm.py --quick --markdown "$OUT/bench.md" || status=1 ;;
+    host) python3 benchmarks/host_overhead.py --json "$OUT/host.json" || status=1 ;;
+    models) python3 benchmarks/models.py --json "$OUT/models.json" --markdown "$OUT/models.md" \
+             || status=1 ;;
+    ab) python3 benchmarks/ab_compare.py "${AB_BASE:?set AB_BASE to the checkout to compare with}" . \
+             --rounds 5 --json "$OUT/ab.json" || status=1 ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
   esac
 done
