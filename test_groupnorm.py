@@ -91,6 +91,21 @@ def tolerance(x, ref, dtype, torch_err, weight):
     return 1.1 * torch_err + 0.5 * eps * ref.abs().max().item()
 
 
+def copies(*values):
+    """Clones of the tensors among values (None for the rest), for
+    assert_unchanged."""
+    return [v.clone() if isinstance(v, torch.Tensor) else None for v in values]
+
+
+def assert_unchanged(copied, *values):
+    """Each tensor among values bitwise as copied, NaN included: nothing
+    wrote to it (meta tensors hold no values)."""
+    for before, after in zip(copied, values):
+        if before is not None and not after.is_meta:
+            torch.testing.assert_close(after, before, rtol=0, atol=0, equal_nan=True,
+                                       msg="an input was modified")
+
+
 class PretendCuda(torch.Tensor):
     """A CPU tensor that says it is on a GPU: CPU tests reach the Python side
     of the CUDA path with it (the extension stood in for, or never reached)."""
@@ -1855,13 +1870,13 @@ def weight_for_torch(x, w, b):
     return w, b
 
 
-def forced_gradients(x, groups, w, b, dy, kernel, lag, affine=True):
+def forced_gradients(x, groups, w, b, dy, kernel, lag, affine=True, eps=1e-5):
     """(dx, dw, db) from the extension's backward with its kernel forced, dx
     landing in a poisoned block (unwritten elements show up as NaN); with
     affine=False dweight and dbias are not asked for (None)."""
     ext = gn.load()
     x, w, b = (t.detach() if t is not None else None for t in (x, w, b))
-    _, mean, rstd = ext.forward(x, w, b, groups, 1e-5, "auto", 0, 0)
+    _, mean, rstd = ext.forward(x, w, b, groups, eps, "auto", 0, 0)
     grads = []
 
     def run():
@@ -1878,7 +1893,7 @@ def forced_gradients(x, groups, w, b, dy, kernel, lag, affine=True):
 
 
 def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, affine=True,
-                   need_dx=True):
+                   need_dx=True, eps=1e-5):
     """Gradients through autograd (kernel "auto") or from the forced backward
     kernel, against a float64 reference, within torch's own error; with
     affine=False (forced kernels only) dx alone is asked for and checked,
@@ -1888,20 +1903,20 @@ def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, a
     w = w.detach().requires_grad_() if w is not None else None
     b = b.detach().requires_grad_() if b is not None else None
     if kernel == "auto":
-        ours = gradients(lambda *t: gn.groupnorm_cuda(t[0], t[1], t[2], groups), x, w, b, dy)
+        ours = gradients(lambda *t: gn.groupnorm_cuda(t[0], t[1], t[2], groups, eps), x, w, b, dy)
     else:
-        ours = forced_gradients(x, groups, w, b, dy, kernel, lag, affine)
+        ours = forced_gradients(x, groups, w, b, dy, kernel, lag, affine, eps)
     x64 = x.detach().double().requires_grad_(need_dx)
     w64 = w.detach().double().requires_grad_() if w is not None else None
     b64 = b.detach().double().requires_grad_() if b is not None else None
-    ref = gradients(lambda *t: tools.reference_group_norm(t[0], groups, t[1], t[2], 1e-5),
+    ref = gradients(lambda *t: tools.reference_group_norm(t[0], groups, t[1], t[2], eps),
                     x64, w64, b64, dy.double())
-    theirs = gradients(lambda *t: F.group_norm(t[0], groups, *weight_for_torch(t[0], t[1], t[2])),
+    theirs = gradients(lambda *t: F.group_norm(t[0], groups, *weight_for_torch(t[0], t[1], t[2]), eps),
                        x.detach().requires_grad_(need_dx), *(t.detach().requires_grad_() if t is not None else None
                                                       for t in (w, b)), dy)
     N = x.shape[0]
     var = x.detach().double().reshape(N, groups, -1).var(dim=-1, unbiased=False)
-    rstd_max = (var + 1e-5).rsqrt().max().item()
+    rstd_max = (var + eps).rsqrt().max().item()
     for name, mine, r, t in zip(("dx", "dweight", "dbias"), ours, ref, theirs):
         if r is None or (mine is None and not affine):
             continue
