@@ -541,6 +541,9 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     if _single_value_per_channel(input, num_groups):
         raise GroupNormError("group_norm: expected more than 1 value per channel, got input of "
                              f"size {list(input.shape)}")
+    if input.shape[1] == 0 or 0 in input.shape[2:]:  # torch takes N = 0 alone
+        raise GroupNormError("group_norm: expected the number of channels and each spatial size "
+                             f"to be greater than 0, got input of size {list(input.shape)}")
     if input.is_cuda and torch.is_autocast_enabled("cuda"):
         # torch's float32 autocast policy: half-precision tensors become
         # float32, float64 ones stay as they are

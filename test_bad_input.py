@@ -70,6 +70,10 @@ BAD_INPUTS = [
     ("input None", lambda d: (None, 2, None, None, 1e-5), AttributeError, "got NoneType"),
     ("one value per channel", lambda d: args(d, groups=4, x=randn(d, 1, 4, 1, 1)), ValueError,
      "more than 1 value"),
+    ("empty spatial dim", lambda d: args(d, shape=(2, 6, 3, 0)), RuntimeError,
+     "number of channels and each spatial size to be greater than 0, got input of size [2, 6, 3, 0]"),
+    ("C == 0", lambda d: args(d, shape=(2, 0, 4)), RuntimeError, "greater than 0"),
+    ("C == 0 and N == 0", lambda d: args(d, shape=(0, 0, 4)), RuntimeError, "greater than 0"),
     # weight and bias
     ("weight of wrong shape", lambda d: args(d, weight=randn(d, 5)), ValueError,
      "weight must have shape [6] (one value per channel), got [5]"),
@@ -92,7 +96,8 @@ BAD_INPUTS = [
     ("eps 1-d tensor", lambda d: args(d, eps=torch.tensor([1e-5])), TypeError, "got a tensor of shape [1]"),
 ]
 TORCH_TAKES = {"negative eps", "nan eps", "inf eps"}  # refused on purpose
-GROUP_NORM_ONLY = {"one value per channel"}  # groupnorm_cuda has no such rule
+# groupnorm_cuda has no such rule: it takes empty dims
+GROUP_NORM_ONLY = {"one value per channel", "empty spatial dim", "C == 0", "C == 0 and N == 0"}
 
 
 def torch_error(call):
@@ -178,8 +183,6 @@ LIKE_TORCH = [
     ("all require grad, float16", lambda d: args(d, x=leaf(randn(d, 2, 6, 4, dtype=torch.float16)),
                                                  weight=leaf(randn(d, 6, dtype=torch.float16)),
                                                  bias=leaf(randn(d, 6, dtype=torch.float16))), None),
-    ("empty spatial dim", lambda d: args(d, shape=(2, 6, 0)), "greater than 0"),
-    ("C = 0", lambda d: args(d, shape=(2, 0, 4)), "greater than 0"),
     ("weight float64, x float32", lambda d: args(d, weight=randn(d, 6, dtype=torch.float64)), "dtype"),
     ("weight int64", lambda d: args(d, weight=torch.ones(6, dtype=torch.int64, device=d)), "dtype"),
     ("x float16, weight float32", lambda d: args(d, x=randn(d, 2, 6, 4, dtype=torch.float16),
@@ -317,6 +320,7 @@ MODULES = [
     ("affine=False, another channel count", (2, 6), {"affine": False}, lambda d: randn(d, 2, 4, 3), None, None),
     ("int input", (2, 6), {}, lambda d: torch.ones(2, 6, 4, dtype=torch.long, device=d), RuntimeError, "dtype"),
     ("1-D input", (2, 6), {}, lambda d: randn(d, 6), ValueError, "(N, C, *)"),
+    ("no channels", (2, 0), {}, lambda d: randn(d, 2, 0, 3), RuntimeError, "greater than 0"),
 ]
 TORCH_TAKES_LAYER = {"negative eps"}  # refused on purpose
 
