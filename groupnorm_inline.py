@@ -318,9 +318,9 @@ class GroupNormError(ValueError, RuntimeError):
     errors were, and a RuntimeError, as most of torch's for the same mistakes
     are; where torch raises another type for a mistake, also that type: a
     TypeError for an argument of the wrong type, NotImplementedError for an
-    input dtype without a kernel, ZeroDivisionError for num_groups = 0,
-    AttributeError for an input that is not a tensor. So code written
-    against torch catches it, on either device."""
+    input dtype without a kernel or a sparse tensor, ZeroDivisionError for
+    num_groups = 0, AttributeError for an input that is not a tensor. So code
+    written against torch catches it, on either device."""
 
 
 class _WrongType(GroupNormError, TypeError):
@@ -329,6 +329,10 @@ class _WrongType(GroupNormError, TypeError):
 
 class _UnsupportedDtype(_WrongType, NotImplementedError):
     """An input dtype without a kernel (torch: NotImplementedError)."""
+
+
+class _NotStrided(GroupNormError, NotImplementedError):
+    """A sparse (or other non-strided) tensor (torch: NotImplementedError)."""
 
 
 class _NotATensor(_WrongType, AttributeError):
@@ -402,6 +406,9 @@ def _check_arguments(caller, input, num_groups, weight, bias, eps):
     if input.dtype not in _FLOAT_DTYPES:
         raise _UnsupportedDtype(f"{caller}: input dtype must be float32, float16, bfloat16 or "
                                 f"float64, got {input.dtype}")
+    for name, t in (("input", input), ("weight", weight), ("bias", bias)):
+        if t is not None and t.layout != torch.strided:  # the kernels read strided memory
+            raise _NotStrided(f"{caller}: {name} must be a strided (dense) tensor, got {t.layout}")
     return num_groups, eps
 
 

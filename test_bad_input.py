@@ -68,6 +68,12 @@ BAD_INPUTS = [
     ("input a numpy array", lambda d: args(d, x=np.ones((2, 6, 4), np.float32)), AttributeError,
      "got ndarray"),
     ("input None", lambda d: (None, 2, None, None, 1e-5), AttributeError, "got NoneType"),
+    ("sparse input", lambda d: args(d, x=randn(d, 2, 6, 4).to_sparse()), NotImplementedError,
+     "input must be a strided (dense) tensor, got torch.sparse_coo"),
+    ("sparse CSR input", lambda d: args(d, x=randn(d, 2, 6).to_sparse_csr()), NotImplementedError,
+     "got torch.sparse_csr"),
+    ("nested (jagged) input", lambda d: args(d, x=torch.nested.nested_tensor(
+        [randn(d, 6, 4), randn(d, 6, 3)], layout=torch.jagged)), NotImplementedError, "got torch.jagged"),
     ("one value per channel", lambda d: args(d, groups=4, x=randn(d, 1, 4, 1, 1)), ValueError,
      "more than 1 value"),
     ("empty spatial dim", lambda d: args(d, shape=(2, 6, 3, 0)), RuntimeError,
@@ -86,6 +92,10 @@ BAD_INPUTS = [
      "weight must be a torch.Tensor or None, got list"),
     ("weight a numpy array", lambda d: args(d, weight=np.ones(6, np.float32)), TypeError, "got ndarray"),
     ("bias a list", lambda d: args(d, bias=[0.0] * 6), TypeError, "bias must be"),
+    ("sparse weight", lambda d: args(d, weight=randn(d, 6).to_sparse()), NotImplementedError,
+     "weight must be a strided (dense) tensor, got torch.sparse_coo"),
+    ("sparse bias", lambda d: args(d, bias=randn(d, 6).to_sparse()), NotImplementedError,
+     "bias must be a strided (dense) tensor"),
     # eps (torch takes any float: NaN, negative and inf are refused here only)
     ("negative eps", lambda d: args(d, eps=-1e-5), ValueError, "eps"),
     ("nan eps", lambda d: args(d, eps=float("nan")), ValueError, "eps must be finite and >= 0, got nan"),
@@ -189,9 +199,6 @@ LIKE_TORCH = [
                                                  weight=randn(d, 6)), "dtype"),
     ("weight on another device", lambda d: args(d, weight=randn(other_device(d), 6)), "device"),
     ("bias on another device", lambda d: args(d, bias=randn(other_device(d), 6)), "device"),
-    ("sparse input", lambda d: args(d, x=randn(d, 2, 6, 4).to_sparse()), "Sparse"),
-    ("sparse CSR input", lambda d: args(d, x=randn(d, 2, 6).to_sparse_csr()), "Sparse"),
-    ("sparse weight", lambda d: args(d, weight=randn(d, 6).to_sparse()), "Sparse"),
 ]
 
 
