@@ -143,20 +143,20 @@ def build(case, device):
     x, 8 after it included, are NaN: a kernel that reads past its view shows it."""
     shift, scale = DATA[case.data]
     size = case.offset + math.prod(_stored(case)[2]) + 8
-    with torch.random.fork_rng(devices=[]):
+    device = torch.device(device)
+    gpus = [device.index if device.index is not None else torch.cuda.current_device()] \
+        if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=gpus):  # drawn where they are used: no copies
         torch.manual_seed(case.seed)
-        storage = make_input((size,), case.dtype, "contiguous", "cpu", shift, scale)
-        weight, bias = affine(case.shape[1], case.dtype, "cpu", case.affine)
-        used = torch.zeros(size, dtype=torch.bool)
+        storage = make_input((size,), case.dtype, "contiguous", device, shift, scale)
+        weight, bias = affine(case.shape[1], case.dtype, device, case.affine)
+        used = torch.zeros(size, dtype=torch.bool, device=device)
         _view(used, case).fill_(True)
         storage[~used] = float("nan")
         places = used.nonzero().flatten()
         for value in case.specials:
             storage[places[torch.randint(len(places), ())]] = float(value)
-    storage = storage.to(device)
-    x = _view(storage, case).expand(case.shape)
-    weight, bias = (t.to(device) if t is not None else None for t in (weight, bias))
-    return x, storage, weight, bias
+    return _view(storage, case).expand(case.shape), storage, weight, bias
 
 
 def reference(x, groups, weight, bias, eps):
@@ -326,11 +326,9 @@ def test_gpu_backward_matches_float64_autograd(case, need_dx, dy_like_x):
             assert plan["kernel"] == kernel, plan
     event(f"backward kernel={kernel}")
     need_dx = need_dx or kernel != "auto" or (weight is None and bias is None)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(case.seed + 1)
-        values = torch.randn(case.shape).to(case.dtype).to(x.device)
+    values = torch.randn(case.shape, generator=torch.Generator().manual_seed(case.seed + 1))
     # grad_output in x's memory format, or contiguous
-    dy = (torch.empty_like(x) if dy_like_x else x.new_empty(x.shape)).copy_(values)
+    dy = (torch.empty_like(x) if dy_like_x else x.new_empty(x.shape)).copy_(values)  # x's dtype
     kept = copies(storage, weight, bias, dy)
     check_backward(x, case.groups, weight, bias, dy, shift_scale=max(1.0, DATA[case.data][0] / 10),
                    kernel=kernel, need_dx=need_dx, eps=case.eps)
