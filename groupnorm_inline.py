@@ -16,6 +16,7 @@ Command line (run by groupnorm_tools.py, which a bundle embeds):
     python groupnorm_inline.py bundle --kernelbench level1-35 OUT.py
 """
 
+import functools
 import glob
 import hashlib
 import importlib.util
@@ -956,27 +957,15 @@ def enable_compile_fusion():
     Inductor's FX graph cache keeps working. Returns nothing; see
     disable_compile_fusion."""
     global _compile_pass
-    import marshal
-
     from torch._inductor import config
-    from torch._inductor.custom_graph_pass import CustomGraphPass
 
     load()  # the compiled graphs call the operator's kernels
     if _compile_pass is not None:
         return
-
-    class GroupNormPass(CustomGraphPass):
-        def __call__(self, graph):
-            _rewrite_group_norms(graph)
-
-        def uuid(self):
-            code = marshal.dumps(_rewrite_group_norms.__code__)
-            return hashlib.sha256(code + _NAMESPACE.encode() + __version__.encode()).hexdigest()
-
     installed = config.pre_grad_custom_pass
     if installed is not None and not isinstance(installed, (list, tuple)):
         installed = [installed]
-    _compile_pass = GroupNormPass()
+    _compile_pass = _group_norm_pass_class()()
     config.pre_grad_custom_pass = [*(installed or []), _compile_pass] if installed else _compile_pass
 
 
@@ -995,6 +984,33 @@ def disable_compile_fusion():
     elif installed is _compile_pass:
         config.pre_grad_custom_pass = None
     _compile_pass = None
+
+
+@functools.cache
+def _group_norm_pass_class():
+    """The compile pass's class, made on first use (torch._inductor takes
+    seconds to import) and reachable as this module's _GroupNormPass, so that
+    Inductor's cache key can pickle an instance (torch 2.11 does)."""
+    import marshal
+
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class _GroupNormPass(CustomGraphPass):
+        def __call__(self, graph):
+            _rewrite_group_norms(graph)
+
+        def uuid(self):
+            code = marshal.dumps(_rewrite_group_norms.__code__)
+            return hashlib.sha256(code + _NAMESPACE.encode() + __version__.encode()).hexdigest()
+
+    _GroupNormPass.__module__, _GroupNormPass.__qualname__ = __name__, "_GroupNormPass"
+    return _GroupNormPass
+
+
+def __getattr__(name):
+    if name == "_GroupNormPass":
+        return _group_norm_pass_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _tools():

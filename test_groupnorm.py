@@ -11,6 +11,7 @@ import importlib.util
 import inspect
 import math
 import os
+import pickle
 import re
 import shutil
 import subprocess
@@ -2416,6 +2417,9 @@ def test_enable_compile_fusion_installs_one_pass_with_a_uuid(monkeypatch):
     gn.enable_compile_fusion()  # twice: still one
     installed = config.pre_grad_custom_pass
     assert installed is gn._compile_pass and installed.uuid() == installed.uuid()
+    # Inductor's cache key pickles the config (torch 2.11: the pass itself)
+    copied = pickle.loads(pickle.dumps(installed))
+    assert type(copied) is type(installed) and copied.uuid() == installed.uuid()
     gn.disable_compile_fusion()
     assert config.pre_grad_custom_pass is None and gn._compile_pass is None
 
@@ -2427,17 +2431,21 @@ def test_gpu_compile_fusion_runs_our_kernels_for_torchs_group_norm(dtype):
     model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.SiLU()).cuda()
     model = model.to(dtype)
     x = torch.randn(2, 16, 12, 12, device="cuda", dtype=dtype)
-    expected = model(x)
-    expected.float().square().sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
+
+    def output_and_grads(module, t):
+        module.zero_grad()
+        out = module(t)
+        out.double().square().sum().backward()
+        return [out, *(p.grad for p in module.parameters())]
+
+    exact = output_and_grads(copy.deepcopy(model).double(), x.double())  # the reference
+    eager = output_and_grads(model, x)
     gn.enable_compile_fusion()
     try:
         torch._dynamo.reset()
         compiled = torch.compile(model, fullgraph=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            out = compiled(x)
-            out.float().square().sum().backward()
+            fused = output_and_grads(compiled, x)
             torch.cuda.synchronize()
     finally:
         gn.disable_compile_fusion()
@@ -2445,7 +2453,9 @@ def test_gpu_compile_fusion_runs_our_kernels_for_torchs_group_norm(dtype):
     names = [e.name for e in prof.events()]
     assert any("groupnorm_forward" in n for n in names), names
     assert any("groupnorm_backward" in n for n in names), names
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
-    for p, g in zip(model.parameters(), grads):
-        torch.testing.assert_close(p.grad, g, rtol=10 * tol, atol=10 * tol)
+    # as close to float64 as torch's eager run in the dtype, give or take a
+    # rounding at the largest value (the conv's sums round their own way)
+    for name, ours, theirs, ref in zip(["output", "conv.weight", "conv.bias", "norm.weight", "norm.bias"],
+                                       fused, eager, exact):
+        slack = 4 * torch.finfo(dtype).eps * ref.abs().max().item()
+        assert tools.max_error(ours, ref) <= 2 * tools.max_error(theirs, ref) + slack, name
