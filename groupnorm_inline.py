@@ -559,6 +559,9 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
                                for t in (input, weight, bias))
     if _takes_cuda_path(input, weight, bias) and _kernels_available():
         return _cuda_forward(input, weight, bias, num_groups, eps)
+    if weight is None and bias is not None and _needs_grad(input, weight, bias):
+        # torch's backward before 2.14 fails on a bias without a weight
+        weight = torch.ones_like(bias)
     return F.group_norm(input, num_groups, weight, bias, eps)
 
 

@@ -106,6 +106,10 @@ BAD_INPUTS = [
     ("eps 1-d tensor", lambda d: args(d, eps=torch.tensor([1e-5])), TypeError, "got a tensor of shape [1]"),
 ]
 TORCH_TAKES = {"negative eps", "nan eps", "inf eps"}  # refused on purpose
+# torch before 2.14 takes empty channel and spatial dims (an empty result on
+# the CPU, a failed launch on CUDA); refused here on every version
+OLD_TORCH_TAKES = {"empty spatial dim", "C == 0", "C == 0 and N == 0", "no channels"}
+OLD_TORCH = tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 14)
 # groupnorm_cuda has no such rule: it takes empty dims
 GROUP_NORM_ONLY = {"one value per channel", "empty spatial dim", "C == 0", "C == 0 and N == 0"}
 
@@ -117,6 +121,12 @@ def torch_error(call):
     except Exception as error:  # noqa: BLE001 (any type: it is the point)
         return error
     return None
+
+
+def torch_took(description, theirs):
+    """Whether torch took (or crashed on) arguments it would refuse from 2.14 on."""
+    crashed = isinstance(theirs, torch.AcceleratorError)
+    return OLD_TORCH and description in OLD_TORCH_TAKES and (theirs is None or crashed)
 
 
 def kernels_unreachable(monkeypatch):
@@ -142,7 +152,9 @@ def test_bad_input_raises_clear_error(case, device, monkeypatch):
     assert_unchanged(kept, x, weight, bias)
     # catchable as what torch raises for the same mistake
     theirs = torch_error(lambda: F.group_norm(x, groups, weight, bias, eps))
-    if theirs is None:
+    if torch_took(description, theirs):
+        pass
+    elif theirs is None:
         assert description in TORCH_TAKES, "torch took arguments that group_norm refused"
     else:
         assert isinstance(ours.value, type(theirs)), (type(theirs), type(ours.value).__mro__)
@@ -204,12 +216,16 @@ LIKE_TORCH = [
 
 def check_same_values(ours, theirs, device):
     """Bitwise on the CPU (the same kernel: torch's), within float tolerances
-    on a GPU."""
+    on a GPU (two roundings of a 16-bit result: torch's and ours)."""
     assert (ours.shape, ours.dtype, ours.device) == (theirs.shape, theirs.dtype, theirs.device)
     if ours.is_meta:
         return
-    exact = dict(rtol=0, atol=0) if device == "cpu" else {}
-    torch.testing.assert_close(ours, theirs, equal_nan=True, **exact)
+    eps = torch.finfo(ours.dtype).eps
+    if device == "cpu":
+        close = dict(rtol=0, atol=0)
+    else:
+        close = dict(rtol=2 * eps, atol=eps) if ours.element_size() == 2 else {}
+    torch.testing.assert_close(ours, theirs, equal_nan=True, **close)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -223,7 +239,8 @@ def test_input_taken_like_torch(case, device):
         with pytest.raises(type(theirs)) as ours:
             gn.group_norm(x, groups, weight, bias, eps)
         assert fragment is not None, f"torch refused {description}: {theirs}"
-        assert fragment in str(ours.value), str(ours.value)
+        # mixed dtypes and devices go to torch: its message where it refuses them
+        assert fragment in str(ours.value) or str(ours.value) == str(theirs), str(ours.value)
         assert_unchanged(kept, x, weight, bias)
         return
     y = gn.group_norm(x, groups, weight, bias, eps)
@@ -233,8 +250,8 @@ def test_input_taken_like_torch(case, device):
     assert y.requires_grad == bool(leaves)
     if leaves:
         dy = torch.randn_like(expected)
-        if x.is_cuda:  # torch's CUDA backward may refuse a bias without a weight
-            expected = F.group_norm(x, groups, *weight_for_torch(x, weight, bias), eps)
+        # torch's backward before 2.14 may refuse a bias without a weight
+        expected = F.group_norm(x, groups, *weight_for_torch(x, weight, bias), eps)
         for mine, torchs in zip(torch.autograd.grad(y, leaves, dy), torch.autograd.grad(expected, leaves, dy)):
             check_same_values(mine, torchs, device)
     assert_unchanged(kept, x, weight, bias)
@@ -356,7 +373,9 @@ def test_module_mistakes_raise_torchs_errors(case, device):
     assert fragment in str(ours.value), str(ours.value)
     # the constructor raises torch's own errors or ours; a call, ours
     assert built is not None or isinstance(ours.value, gn.GroupNormError), type(ours.value)
-    if theirs is None:
+    if torch_took(description, theirs):
+        pass
+    elif theirs is None:
         assert description in TORCH_TAKES_LAYER, "torch took what GroupNorm refused"
     else:
         assert isinstance(ours.value, type(theirs)), (type(theirs), type(ours.value).__mro__)

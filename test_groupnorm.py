@@ -1722,9 +1722,9 @@ def gradients(fn, x, w, b, dy):
 
 def weight_for_torch(x, w, b):
     """(weight, bias) for torch's F.group_norm when it is the comparison:
-    torch 2.11's CUDA backward raises "tensor does not have a device" for a
-    bias without a weight, so that case gets a weight of ones (the same
-    function, with no gradient asked of it)."""
+    torch 2.11's backward raises "tensor does not have a device" for a bias
+    without a weight, so that case gets a weight of ones (the same function,
+    with no gradient asked of it)."""
     if w is None and b is not None:
         return torch.ones(x.shape[1], device=x.device, dtype=x.dtype), b
     return w, b
