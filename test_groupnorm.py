@@ -1743,7 +1743,9 @@ def forced_gradients(x, groups, w, b, dy, kernel, lag, affine=True, eps=1e-5):
         grads[:] = ext.backward(dy, x, mean, rstd, w, groups, True, affine, kernel, lag)
         return grads[0]
 
-    _, landed = poisoned(run, x)
+    # blocks for what the backward allocates before dx: copies of a strided x
+    # and dy, and (for tiny x, of dx's allocation size) workspaces
+    _, landed = poisoned(run, x, blocks=6)
     assert landed, "dx did not reuse the poisoned block"
     dx, dw, db = grads
     if not affine:

@@ -175,18 +175,25 @@ def by_group(t, groups):
 
 
 def compare(y, x, case, weight, bias):
-    """y is NaN where torch's output in x's dtype is NaN, and within the
-    tolerance of the float64 reference in the groups of x without NaN or inf
-    (a NaN in one group leaves the others finite)."""
+    """In the groups of x with a NaN or inf, y is NaN where torch's output in
+    x's dtype is; in the others (a NaN in one group leaves them finite), y is
+    within the tolerance of the float64 reference. (torch's own output there
+    may be NaN: torch 2.11's float16 CUDA kernel gives NaN for a group of one
+    value with eps = 1e-12; then y answers to the reference alone.)"""
     G, eps = case.groups, case.eps
     theirs = tools.torch_group_norm(x, G, weight, bias, eps)
-    assert torch.equal(y.isnan(), theirs.isnan()), \
-        f"NaN at {int(y.isnan().sum())} places, torch at {int(theirs.isnan().sum())}"
     clean = by_group(x, G).isfinite().all(dim=-1)
+    y_nan, torch_nan = (by_group(t, G)[~clean].isnan() for t in (y, theirs))
+    assert torch.equal(y_nan, torch_nan), \
+        f"NaN at {int(y_nan.sum())} places, torch at {int(torch_nan.sum())}"
     if not clean.any():
         return
     x, y, theirs, ref = (by_group(t, G)[clean] for t in (x, y, theirs, reference(x, G, weight, bias, eps)))
-    tol = tolerance(x, ref, x.dtype, tools.max_error(theirs, ref), weight)
+    torch_err = tools.max_error(theirs, ref)
+    if math.isfinite(torch_err):
+        tol = tolerance(x, ref, x.dtype, torch_err, weight)
+    else:  # float32 arithmetic, then one rounding to x's dtype
+        tol = tolerance(x, ref, torch.float32, 0.0, weight) + torch.finfo(x.dtype).eps * ref.abs().max().item()
     if x.dtype in (torch.float32, torch.float64):
         # the table's rounding of x at x's magnitude takes a unit spread; in
         # a group of small spread (or one value) y = x * rstd * w + (b - mean
