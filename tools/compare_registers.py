@@ -16,16 +16,23 @@ import sys
 
 
 def report(path):
-    """{mangled kernel name: {"regs", "stack", "spill_stores", "spill_loads"}}"""
-    kernels, current = {}, None
+    """{mangled kernel name: {"regs", "stack", "spill_stores", "spill_loads"}}.
+    A frame line belongs to the function the "Function properties for" line
+    before it names: ptxas prints those of a called (not inlined) device
+    function among its callers' lines, and they are not the kernel's."""
+    kernels, current, described = {}, None, None
     for line in open(path, encoding="utf-8", errors="replace"):
         m = re.search(r"Compiling entry function '(\w+)'", line)
         if m:
             current = kernels.setdefault(m.group(1), {})
             continue
+        m = re.search(r"Function properties for (\w+)", line)
+        if m:
+            described = m.group(1)
+            continue
         m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", line)
-        if m and current is not None:
-            current.update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
+        if m and described in kernels:
+            kernels[described].update(stack=int(m[1]), spill_stores=int(m[2]), spill_loads=int(m[3]))
         m = re.search(r"Used (\d+) registers", line)
         if m and current is not None:
             current["regs"] = int(m[1])
