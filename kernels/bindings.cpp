@@ -17,6 +17,9 @@ pybind11::dict as_dict(const groupnorm::PlanFields& fields) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "GroupNorm forward: [y, mean, rstd]");
+  m.def("forward_fused", &forward_fused,
+        "GroupNorm forward with its epilogue (scale, shift, activations, residual): "
+        "[y, mean, rstd]");
   m.def("backward", &backward, "GroupNorm backward: [dx, dweight, dbias]");
   m.def("register_kernels", &register_kernels,
         "Registers the CUDA and autograd kernels of <namespace>::forward and ::backward");

@@ -1,19 +1,55 @@
 // What a kernel computes per element once the statistics are known: the
-// forward's normalise-and-affine, and the backward's dx.
+// forward's normalise-and-affine with its epilogue, and the backward's dx.
+//
+// The forward epilogue (issue 24) is
+//   y = GN(x) * gamma + beta;  y = y * (1 + scale) + shift;  y = act(y);  y = y + residual
+// with scale, shift per (sample, channel) and residual in y's layout. It is
+// a run-time value (Epilogue), passed by value to the forward kernels, not a
+// template parameter: one instantiation per kernel serves every option, so
+// the build does not multiply, and the plain GroupNorm pays only uniform
+// branches on null pointers and a zero count.
+//  - scale and shift fold into the per-channel affine the kernels already
+//    compute (channel_affine): rstd * gamma * (1 + s) and beta * (1 + s) + t,
+//    so they cost nothing per element.
+//  - the activation chain runs on the accumulation-type value before the
+//    cast, behind one test of the chain's length per stored vector, in a
+//    called function (activate).
+//  - the residual is read at the element offset y is written at (same
+//    layout), in the store's vector width, and added last.
+// The registers kernel takes no epilogue: with the epilogue's code it needed
+// up to 73 registers instead of 40 (fewer CTAs an SM for the plain GroupNorm
+// too); the planner gives calls with an epilogue another kernel.
 #pragma once
 
+#include <cmath>
+
+#include "activation.h"
 #include "vec.cuh"
 
 namespace groupnorm {
 
+template <typename scalar_t>
+struct Epilogue {
+  using A = acc_t<scalar_t>;
+  const scalar_t* scale;     // [N, C] or nullptr: y * (1 + scale)
+  const scalar_t* shift;     // [N, C] or nullptr: + shift
+  const scalar_t* residual;  // y's layout and strides, or nullptr: added last
+  int64_t C;                 // channels of a row of scale and shift
+  A slope;                   // LeakyReLU's negative slope
+  int activations;           // length of the chain, 0 to kMaxActivations
+  uint32_t chain;            // activation i in bits 8i to 8i + 7 (Activation codes)
+};
+
 // y = (x - mean) * scale + shift for one channel, with scale = rstd * gamma[c]
-// and shift = beta[c]. Subtracting the mean first keeps shifted inputs
-// accurate (x * scale + (shift - mean * scale) would cancel).
+// and shift = beta[c], or with the epilogue's scale and shift folded in.
+// Subtracting the mean first keeps shifted inputs accurate (x * scale +
+// (shift - mean * scale) would cancel).
 template <typename A>
 struct ChannelAffine {
   A scale, shift;
 };
 
+// Channel c, without an epilogue.
 template <typename scalar_t, typename A>
 __device__ __forceinline__ ChannelAffine<A> channel_affine(int64_t c, A rstd,
                                                            const scalar_t* __restrict__ gamma,
@@ -22,12 +58,37 @@ __device__ __forceinline__ ChannelAffine<A> channel_affine(int64_t c, A rstd,
           beta != nullptr ? static_cast<A>(beta[c]) : A(0)};
 }
 
+// Channel c of sample n with the epilogue's scale and shift: rstd * gamma[c]
+// * (1 + scale[n, c]) and beta[c] * (1 + scale[n, c]) + shift[n, c]; one
+// test of the pointers, nothing more without them.
 template <typename scalar_t, typename A>
-__device__ __forceinline__ scalar_t normalise(scalar_t x, A mean, ChannelAffine<A> f) {
-  return static_cast<scalar_t>((static_cast<A>(x) - mean) * f.scale + f.shift);
+__device__ __forceinline__ ChannelAffine<A> channel_affine(int64_t n, int64_t c, A rstd,
+                                                           const scalar_t* __restrict__ gamma,
+                                                           const scalar_t* __restrict__ beta,
+                                                           const Epilogue<scalar_t>& ep) {
+  ChannelAffine<A> f = channel_affine(c, rstd, gamma, beta);
+  if (ep.scale != nullptr || ep.shift != nullptr) {
+    const int64_t nc = n * ep.C + c;
+    const A s = ep.scale != nullptr ? A(1) + static_cast<A>(ep.scale[nc]) : A(1);
+    const A t = ep.shift != nullptr ? static_cast<A>(ep.shift[nc]) : A(0);
+    f.scale *= s;
+    f.shift = f.shift * s + t;
+  }
+  return f;
 }
 
-// A vector of one channel (the contiguous layout).
+// The affine value of x, in the accumulation type.
+template <typename scalar_t, typename A>
+__device__ __forceinline__ A affine_value(scalar_t x, A mean, ChannelAffine<A> f) {
+  return (static_cast<A>(x) - mean) * f.scale + f.shift;
+}
+
+template <typename scalar_t, typename A>
+__device__ __forceinline__ scalar_t normalise(scalar_t x, A mean, ChannelAffine<A> f) {
+  return static_cast<scalar_t>(affine_value(x, mean, f));
+}
+
+// A vector of one channel (the contiguous layout), without an epilogue.
 template <typename scalar_t, int V, typename A>
 __device__ __forceinline__ Vec<scalar_t, V> normalise_vec(const Vec<scalar_t, V>& v, A mean,
                                                           ChannelAffine<A> f) {
@@ -35,6 +96,103 @@ __device__ __forceinline__ Vec<scalar_t, V> normalise_vec(const Vec<scalar_t, V>
 #pragma unroll
   for (int e = 0; e < V; ++e) out.val[e] = normalise(v.val[e], mean, f);
   return out;
+}
+
+// One activation, as torch.nn.functional computes it on CUDA in the
+// accumulation type (float, or double for double), NaN propagating alike.
+template <typename A>
+__device__ __forceinline__ A activation(Activation a, A v, A slope) {
+  switch (a) {
+    case Activation::SiLU:
+      return v / (A(1) + exp(-v));
+    case Activation::GELU:
+      return v * A(0.5) * (A(1) + erf(v * A(M_SQRT1_2)));
+    case Activation::GELUTanh: {
+      const A inner = A(M_SQRT2 * M_2_SQRTPI * 0.5) * (v + A(0.044715) * (v * v * v));
+      return A(0.5) * v * (A(1) + tanh(inner));
+    }
+    case Activation::ReLU:
+      return v < A(0) ? A(0) : v;
+    case Activation::LeakyReLU:
+      return v > A(0) ? v : v * slope;
+    case Activation::Tanh:
+      return tanh(v);
+    case Activation::Sigmoid:
+      return A(1) / (A(1) + exp(-v));
+    case Activation::Hardswish: {
+      // torch's CUDA kernel multiplies by 1/6 rounded to float, for double too
+      const A clipped = v + A(3) < A(0) ? A(0) : v + A(3);
+      return v * (A(6) < clipped ? A(6) : clipped) * A(1.0f / 6.0f);
+    }
+    case Activation::Mish:
+      return v * tanh(log1p(exp(v)));
+  }
+  return v;
+}
+
+// The chain, in order. One function a type, called, not inlined: inlined
+// into every element of the kernels' unrolled stores it took registers from
+// the whole kernel (the registers kernel spilled) and doubled the build.
+template <typename A>
+__device__ __noinline__ A activate(A v, uint32_t chain, int count, A slope) {
+  for (int i = 0; i < count; ++i, chain >>= 8) v = activation(Activation(chain & 0xffu), v, slope);
+  return v;
+}
+
+// V elements of the residual, read once: through the read-only path, which
+// lets the loads move ahead of the kernel's stores.
+template <typename scalar_t, int V>
+__device__ __forceinline__ Vec<scalar_t, V> load_residual(const scalar_t* p) {
+  using VecT = Vec<scalar_t, V>;
+  VecT v;
+  if constexpr (sizeof(VecT) == 16) {
+    const float4 w = __ldg(reinterpret_cast<const float4*>(p));
+    memcpy(&v, &w, sizeof(VecT));
+  } else if constexpr (sizeof(VecT) == 8) {
+    const float2 w = __ldg(reinterpret_cast<const float2*>(p));
+    memcpy(&v, &w, sizeof(VecT));
+  } else if constexpr (sizeof(VecT) == 4) {
+    const float w = __ldg(reinterpret_cast<const float*>(p));
+    memcpy(&v, &w, sizeof(VecT));
+  } else {
+    const unsigned short w = __ldg(reinterpret_cast<const unsigned short*>(p));
+    memcpy(&v, &w, sizeof(VecT));
+  }
+  return v;
+}
+
+// Writes y[at, at + V) from the affine values v: the activation chain, the
+// residual at the same offset, then the rounding to scalar_t.
+template <typename scalar_t, int V>
+__device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t at,
+                                             acc_t<scalar_t> (&v)[V],
+                                             const Epilogue<scalar_t>& ep) {
+  using A = acc_t<scalar_t>;
+  if (ep.activations > 0) {
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] = activate(v[e], ep.chain, ep.activations, ep.slope);
+  }
+  if (ep.residual != nullptr) {
+    const Vec<scalar_t, V> r = load_residual<scalar_t, V>(ep.residual + at);
+#pragma unroll
+    for (int e = 0; e < V; ++e) v[e] += static_cast<A>(r.val[e]);
+  }
+  Vec<scalar_t, V> out;
+#pragma unroll
+  for (int e = 0; e < V; ++e) out.val[e] = static_cast<scalar_t>(v[e]);
+  store_vec_streaming<scalar_t, V>(y + at, out);
+}
+
+// A vector of one channel (the contiguous layout) normalised, then the
+// epilogue, stored at y + at.
+template <typename scalar_t, int V, typename A>
+__device__ __forceinline__ void normalise_store(scalar_t* __restrict__ y, int64_t at,
+                                                const Vec<scalar_t, V>& v, A mean,
+                                                ChannelAffine<A> f, const Epilogue<scalar_t>& ep) {
+  A out[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) out[e] = affine_value(v.val[e], mean, f);
+  store_output<scalar_t, V>(y, at, out, ep);
 }
 
 // Per (sample, channel): dx = alpha * dy - k1 - (x - mu) * k2, with

@@ -39,6 +39,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
                                            scalar_t* __restrict__ y,            // [N, HxW, C]
                                            acc_t<scalar_t>* __restrict__ mean,  // [N, G]
                                            acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
+                                           const Epilogue<scalar_t> ep,  // scale, shift [N, ldc]
                                            TeamWorkspace<acc_t<scalar_t>> ws, int64_t units,
                                            int64_t HxW, int ldc, int blocks, int C, int G, int D,
                                            int rows_per_step, int T, int64_t rows_per_slice,
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     const int64_t offset = (n * HxW + first_row) * ldc + c_unit;
     const scalar_t* first = x + offset;  // this slice's first row
     const scalar_t* xs = first + c0;
-    scalar_t* ys = y + offset + c0;
+    const int64_t y_at = offset + c0;  // this thread's column of the slice's first row in y
     scalar_t* ks = on_chip + c0;
 
     // Sweep 1: sum x - shift per channel. The shift, the group's first
@@ -160,24 +161,23 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     team_combine(ws, team, rank, T, round, G, count_of, A(HxW * D), eps, sh.local_mean, sh.local_m2,
                  sh.mean, sh.rstd, sh.red, mean + unit * G, rstd + unit * G);
 
-    // Sweep 3: y = (x - mean) * a + beta, a = rstd * gamma, per channel. The
-    // rows not kept go first, while L2 still holds what sweep 1 read of them.
+    // Sweep 3: y = (x - mean) * a + b per channel (channel_affine: a = rstd
+    // * gamma, b = beta, and the epilogue's scale and shift), then the
+    // epilogue. The rows not kept go first, while L2 still holds what sweep 1
+    // read of them.
     if (sweeps) {
-      A mu[V], a[V], b[V];
+      A mu[V];
+      ChannelAffine<A> f[V];
 #pragma unroll
       for (int e = 0; e < V; ++e) {
         mu[e] = sh.mean[group[e]];
-        const A rs = sh.rstd[group[e]];
-        a[e] = gamma != nullptr ? rs * static_cast<A>(gamma[c_unit + c0 + e]) : rs;
-        b[e] = beta != nullptr ? static_cast<A>(beta[c_unit + c0 + e]) : A(0);
+        f[e] = channel_affine(n, c_unit + c0 + e, sh.rstd[group[e]], gamma, beta, ep);
       }
       const auto normalise_at = [&](int64_t r, const VecT& v) {
-        VecT out;
+        A out[V];
 #pragma unroll
-        for (int e = 0; e < V; ++e) {
-          out.val[e] = static_cast<scalar_t>((static_cast<A>(v.val[e]) - mu[e]) * a[e] + b[e]);
-        }
-        store_vec_streaming<scalar_t, V>(ys + r * ldc, out);
+        for (int e = 0; e < V; ++e) out[e] = affine_value(v.val[e], mu[e], f[e]);
+        store_output<scalar_t, V>(y, y_at + r * ldc, out, ep);
       };
       load_each<kRowUnroll, scalar_t, V>(nkept + row_lane, rows, rows_per_step, ldc, normalise_at,
                                          xs);

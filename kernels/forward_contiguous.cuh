@@ -27,6 +27,7 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
                                         scalar_t* __restrict__ y,            // [N * G, L]
                                         acc_t<scalar_t>* __restrict__ mean,  // [N * G]
                                         acc_t<scalar_t>* __restrict__ rstd,  // [N * G]
+                                        const Epilogue<scalar_t> ep,         // scale, shift [N, C]
                                         TeamWorkspace<acc_t<scalar_t>> ws, int64_t units, int64_t L,
                                         int64_t HxW, int G, int D, int T, int64_t slice,
                                         int64_t kept, FastDivider hxw_div, bool fast_div,
@@ -50,7 +51,7 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
   int round = 0;
   for (int64_t unit = team; unit < units; unit += teams, ++round) {
     const scalar_t* xs = x + unit * L + begin;
-    scalar_t* ys = y + unit * L + begin;
+    const int64_t y_at = unit * L + begin;  // of the slice in y (and the residual)
 
     // Sweep 1: sum x - shift. The shift (the slice's first element) keeps
     // the float sum small for inputs far from zero, such as 1000 + randn.
@@ -95,17 +96,18 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
     const A mu = sh.mean[0];
     const A rs = sh.rstd[0];
 
-    // Sweep 3: y = (x - mean) * rstd * gamma[c] + beta[c]. A vector never
-    // straddles two channels (host: HxW % V == 0).
-    const int64_t c0 = int64_t(unit % G) * D;
+    // Sweep 3: y = (x - mean) * rstd * gamma[c] + beta[c], then the
+    // epilogue. A vector never straddles two channels (host: HxW % V == 0).
+    const int64_t n = unit / G;
+    const int64_t c0 = (unit - n * G) * D;
     const int64_t start_channel = begin / HxW;
     const int64_t start_offset = begin - start_channel * HxW;
     const auto normalise_at = [&](int64_t i, const VecT& v) {
       const int64_t within = start_offset + i * V;
       const int64_t ch =
           start_channel + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
-      store_vec_streaming<scalar_t, V>(
-          ys + i * V, normalise_vec(v, mu, channel_affine(c0 + ch, rs, gamma, beta)));
+      normalise_store<scalar_t, V>(y, y_at + i * V, v, mu,
+                                   channel_affine(n, c0 + ch, rs, gamma, beta, ep), ep);
     };
     for (int i = tid; i < nkept; i += threads) normalise_at(i, on_chip[i]);
     load_each<kUnroll, scalar_t, V>(nkept + tid, nvec, threads, V, normalise_at, xs);

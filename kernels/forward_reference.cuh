@@ -5,6 +5,7 @@
 // fast kernels against and the fallback for shapes they do not take.
 #pragma once
 
+#include "epilogue.cuh"
 #include "reduce.cuh"
 
 namespace groupnorm {
@@ -17,6 +18,7 @@ __global__ void __launch_bounds__(kReferenceThreads) groupnorm_forward_reference
     scalar_t* __restrict__ y,            // same strides as x
     acc_t<scalar_t>* __restrict__ mean,  // [N, G]
     acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
+    const Epilogue<scalar_t> ep,         // scale, shift [N, C]; residual with y's strides
     int64_t N, int64_t HxW, int G, int D, int64_t stride_n, int64_t stride_c, int64_t stride_s,
     acc_t<scalar_t> eps) {
   using A = acc_t<scalar_t>;
@@ -60,10 +62,9 @@ __global__ void __launch_bounds__(kReferenceThreads) groupnorm_forward_reference
     }
 
     for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
-      const int64_t c = c0 + e / HxW;
-      const A a = gamma != nullptr ? rs * static_cast<A>(gamma[c]) : rs;
-      const A b = beta != nullptr ? static_cast<A>(beta[c]) : A(0);
-      y[at(e)] = static_cast<scalar_t>((static_cast<A>(x[at(e)]) - mu) * a + b);
+      const ChannelAffine<A> f = channel_affine(n, c0 + e / HxW, rs, gamma, beta, ep);
+      A v[1] = {affine_value(x[at(e)], mu, f)};
+      store_output<scalar_t, 1>(y, at(e), v, ep);
     }
     __syncthreads();  // red and total are reused by the next unit
   }

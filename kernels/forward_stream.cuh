@@ -44,6 +44,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
                             scalar_t* __restrict__ y,               // [units, L]
                             acc_t<scalar_t>* __restrict__ mean,     // [units]
                             acc_t<scalar_t>* __restrict__ rstd,     // [units]
+                            const Epilogue<scalar_t> ep,            // scale, shift [N, C]
                             acc_t<scalar_t>* __restrict__ partial,  // [slots, pieces, 2]
                             StreamWorkspace ws, int64_t L, int64_t HxW, int G, int D,
                             int64_t pieces, int64_t slots, StreamOrder order, FastDivider hxw_div,
@@ -172,8 +173,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
       }
       const A mu = unit_mean;
       const A rs = unit_rstd;
-      const int64_t c0 = int64_t(unit % G) * D;
-      VecT* ys = reinterpret_cast<VecT*>(y + unit * L) + begin;
+      const int64_t n = unit / G;
+      const int64_t c0 = (unit - n * G) * D;
       // A vector never straddles two channels (host: HxW % V == 0). Units
       // under 2^31 elements find the channel with a multiply and a shift.
 #pragma unroll
@@ -182,9 +183,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
         if (i < count) {
           const int64_t within = (begin + i) * V;
           const int64_t c = c0 + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
-          store_vec_streaming<scalar_t, V>(
-              reinterpret_cast<scalar_t*>(ys + i),
-              normalise_vec(as_vec<VecT>(v[u]), mu, channel_affine(c, rs, gamma, beta)));
+          normalise_store<scalar_t, V>(y, unit * L + within, as_vec<VecT>(v[u]), mu,
+                                       channel_affine(n, c, rs, gamma, beta, ep), ep);
         }
       }
     }

@@ -103,6 +103,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         scalar_t* __restrict__ y,                     // [N, HxW, C]
         acc_t<scalar_t>* __restrict__ mean,           // [N * blocks, G] = [N, G of the input]
         acc_t<scalar_t>* __restrict__ rstd,           // [N * blocks, G]
+        const Epilogue<scalar_t> ep,                  // scale, shift [N, C]
         acc_t<scalar_t>* __restrict__ piece_partial,  // [slots, pieces, G, 2]
         acc_t<scalar_t>* __restrict__ chunk_partial,  // [slots, chunks, G, 2]
         StreamWorkspace ws, int64_t HxW, int C, int blocks, int G, int D, int rows_per_step,
@@ -264,17 +265,18 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         const A rs = kEachMerges ? unit_rstd[group] : __ldcg(&rstd[unit * G + group]);
         ChannelAffine<A> f[V];
 #pragma unroll
-        for (int e = 0; e < V; ++e) f[e] = channel_affine(block_c0 + c0 + e, rs, gamma, beta);
-        scalar_t* ys = y + (first - x) + c0;
+        for (int e = 0; e < V; ++e)
+          f[e] = channel_affine(n, block_c0 + c0 + e, rs, gamma, beta, ep);
+        const int64_t y_at = (first - x) + c0;  // this thread's column in the piece's first row
 #pragma unroll
         for (int u = 0; u < kItems; ++u) {
           const int r = row_lane + u * rows_per_step;
           if (r < rows) {
-            VecT out;
+            A out[V];
             const VecT in = as_vec<VecT>(v[u]);
 #pragma unroll
-            for (int e = 0; e < V; ++e) out.val[e] = normalise(in.val[e], mu, f[e]);
-            store_vec_streaming<scalar_t, V>(ys + int64_t(r) * C, out);
+            for (int e = 0; e < V; ++e) out[e] = affine_value(in.val[e], mu, f[e]);
+            store_output<scalar_t, V>(y, y_at + int64_t(r) * C, out, ep);
           }
         }
       }

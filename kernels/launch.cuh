@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "epilogue.cuh"
 #include "launchers.h"
 #include "vec.cuh"
 
@@ -60,6 +61,7 @@ struct TypedForward {
   A* mean;
   A* rstd;
   A eps;
+  Epilogue<scalar_t> epilogue;
   explicit TypedForward(const ForwardArgs& a)
       : x(static_cast<const scalar_t*>(a.x)),
         gamma(static_cast<const scalar_t*>(a.gamma)),
@@ -67,7 +69,17 @@ struct TypedForward {
         y(static_cast<scalar_t*>(a.y)),
         mean(static_cast<A*>(a.mean)),
         rstd(static_cast<A*>(a.rstd)),
-        eps(A(a.eps)) {}
+        eps(A(a.eps)) {
+    const EpilogueArgs& e = a.epilogue;
+    epilogue.scale = static_cast<const scalar_t*>(e.scale);
+    epilogue.shift = static_cast<const scalar_t*>(e.shift);
+    epilogue.residual = static_cast<const scalar_t*>(e.residual);
+    epilogue.C = e.C;
+    epilogue.slope = A(e.slope);
+    epilogue.activations = e.activations;
+    epilogue.chain = 0;
+    for (int i = 0; i < e.activations; ++i) epilogue.chain |= uint32_t(e.chain[i]) << (8 * i);
+  }
 };
 
 template <typename scalar_t>

@@ -31,10 +31,11 @@ void launch_reference(const ForwardPlan& plan, const Problem& p, const ForwardAr
   const int64_t stride_s = p.channels_last ? p.C : 1;
   const TypedForward<scalar_t> f(a);
   launch_kernel(&groupnorm_forward_reference_kernel<scalar_t>, {plan.grid, plan.threads}, stream,
-                f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, p.N, p.HxW, p.G, int(p.D()), p.C * p.HxW,
-                stride_c, stride_s, f.eps);
+                f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.epilogue, p.N, p.HxW, p.G, int(p.D()),
+                p.C * p.HxW, stride_c, stride_s, f.eps);
 }
 
+// No epilogue: the planner gives a call with one another kernel.
 template <typename scalar_t>
 void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream) {

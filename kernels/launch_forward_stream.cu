@@ -36,7 +36,7 @@ void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs&
     constexpr int V = decltype(v)::value;
     launch_kernel(s.each_merges ? &groupnorm_stream_kernel<scalar_t, V, true>
                                 : &groupnorm_stream_kernel<scalar_t, V, false>,
-                  shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
+                  shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.epilogue,
                   reinterpret_cast<A*>(base + partial_at), counters.bind(base), L, p.HxW, p.G, D,
                   s.pieces, s.slots, order, hxw_div, fast_div, f.eps);
   });

@@ -38,9 +38,9 @@ void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, cons
     constexpr int V = decltype(v)::value;
     launch_kernel(s.each_merges ? &groupnorm_stream_channels_last_kernel<scalar_t, V, true>
                                 : &groupnorm_stream_channels_last_kernel<scalar_t, V, false>,
-                  shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, piece_partial,
-                  chunk_partial, counters.bind(base), p.HxW, int(p.C), s.blocks, unit_groups, D,
-                  s.rows_per_step, s.pieces, s.chunk, s.slots, order, f.eps);
+                  shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.epilogue,
+                  piece_partial, chunk_partial, counters.bind(base), p.HxW, int(p.C), s.blocks,
+                  unit_groups, D, s.rows_per_step, s.pieces, s.chunk, s.slots, order, f.eps);
   });
 }
 

@@ -56,8 +56,8 @@ void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a
     const auto ws = team_workspace<A>(plan, unit_groups, alloc);
     with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
       launch_kernel(&groupnorm_forward_channels_last_kernel<scalar_t, decltype(v)::value>, shape,
-                    stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, ws, plan.units, p.HxW,
-                    int(p.C), t.blocks, int(p.C / t.blocks), unit_groups, D, t.rows_per_step,
+                    stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.epilogue, ws, plan.units,
+                    p.HxW, int(p.C), t.blocks, int(p.C / t.blocks), unit_groups, D, t.rows_per_step,
                     t.team, t.slice, t.kept, f.eps);
     });
     return;
@@ -68,8 +68,9 @@ void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a
   const FastDivider hxw_div(fast_div ? uint32_t(p.HxW) : 1u);
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
     launch_kernel(&groupnorm_forward_contiguous_kernel<scalar_t, decltype(v)::value>, shape, stream,
-                  f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, ws, plan.units, int64_t(D) * p.HxW,
-                  p.HxW, p.G, D, t.team, slice_elems, t.kept, hxw_div, fast_div, f.eps);
+                  f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.epilogue, ws, plan.units,
+                  int64_t(D) * p.HxW, p.HxW, p.G, D, t.team, slice_elems, t.kept, hxw_div, fast_div,
+                  f.eps);
   });
 }
 

@@ -8,10 +8,27 @@
 #include <c10/util/Half.h>
 #include <cuda_runtime_api.h>
 
+#include "activation.h"
 #include "layout.h"
 #include "plan.h"
 
 namespace groupnorm {
+
+// The forward's epilogue (epilogue.cuh) of one call, untyped: scale and
+// shift [N, C] of x's dtype or null, residual in y's layout and strides or
+// null, and the activation chain applied between them (none by default).
+struct EpilogueArgs {
+  const void* scale = nullptr;
+  const void* shift = nullptr;
+  const void* residual = nullptr;
+  int64_t C = 0;        // channels of a row of scale and shift
+  double slope = 0.01;  // LeakyReLU's
+  int activations = 0;
+  Activation chain[kMaxActivations] = {};
+  bool any() const {
+    return scale != nullptr || shift != nullptr || residual != nullptr || activations > 0;
+  }
+};
 
 // Pointers of one forward call, typed by the launcher: x, y in the input's
 // layout; gamma, beta [C] or null; mean, rstd [N, G] in the accumulation type.
@@ -23,6 +40,7 @@ struct ForwardArgs {
   void* mean;
   void* rstd;
   double eps;
+  EpilogueArgs epilogue;
 };
 
 // One backward call: dy and x in x's layout; dx there or null (not wanted);

@@ -94,6 +94,87 @@ Checked check_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& gamma
   return c;
 }
 
+// The epilogue's tensors as the kernels read them, kept alive until the
+// launches are enqueued, and their pointers.
+struct CheckedEpilogue {
+  at::Tensor scale, shift, residual;  // undefined when absent
+  EpilogueArgs args;
+};
+
+void check_like_input(const at::Tensor& t, const char* name, const at::Tensor& x) {
+  TORCH_CHECK_TYPE(t.scalar_type() == x.scalar_type(),
+                   message("groupnorm: ", name, " has dtype ", t.scalar_type(),
+                           " but input has dtype ", x.scalar_type()));
+  TORCH_CHECK_VALUE(t.device() == x.device(), message("groupnorm: ", name, " is on ", t.device(),
+                                                      " but input is on ", x.device()));
+}
+
+at::Tensor check_modulation(const c10::optional<at::Tensor>& t, const char* name,
+                            const at::Tensor& x) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  const int64_t N = x.size(0), C = x.size(1);
+  TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == N && t->size(1) == C,
+                    message("groupnorm: ", name, " must have shape [", N, ", ", C,
+                            "] (one value per sample and channel), got ", t->sizes()));
+  check_like_input(*t, name, x);
+  return t->contiguous();
+}
+
+// Whether a and b (of one shape) put every element at the same offset.
+bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) != 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
+// The kernels read the residual at the offsets they write y at: one of
+// other strides is copied into y's layout first (a pass over it).
+at::Tensor check_residual(const c10::optional<at::Tensor>& t, const at::Tensor& x,
+                          const at::Tensor& y) {
+  if (!t.has_value() || !t->defined()) return at::Tensor();
+  TORCH_CHECK_VALUE(
+      t->sizes() == x.sizes(),
+      message("groupnorm: residual must have the input's shape ", x.sizes(), ", got ", t->sizes()));
+  check_like_input(*t, "residual", x);
+  if (same_layout(*t, y)) return *t;
+  at::Tensor copy = at::empty_like(y);
+  copy.copy_(*t);
+  return copy;
+}
+
+CheckedEpilogue check_epilogue(const at::Tensor& x, const at::Tensor& y,
+                               const c10::optional<at::Tensor>& scale,
+                               const c10::optional<at::Tensor>& shift,
+                               const c10::optional<at::Tensor>& residual,
+                               const std::vector<int64_t>& activations, double slope) {
+  TORCH_CHECK_VALUE(activations.size() <= size_t(kMaxActivations),
+                    message("groupnorm: at most ", kMaxActivations, " activations in a chain, got ",
+                            activations.size()));
+  TORCH_CHECK_VALUE(std::isfinite(slope),
+                    message("groupnorm: the leaky_relu slope must be finite, got ", slope));
+  CheckedEpilogue e;
+  for (size_t i = 0; i < activations.size(); ++i) {
+    const int64_t code = activations[i];
+    TORCH_CHECK_VALUE(code >= 0 && code < kActivationCodes,
+                      message("groupnorm: unknown activation code ", code, " (codes are 0 to ",
+                              kActivationCodes - 1, ")"));
+    e.args.chain[i] = Activation(code);
+  }
+  e.args.activations = int(activations.size());
+  e.args.slope = slope;
+  e.scale = check_modulation(scale, "scale", x);
+  e.shift = check_modulation(shift, "shift", x);
+  e.residual = check_residual(residual, x, y);
+  e.args.C = x.size(1);
+  for (auto [tensor, pointer] :
+       {std::pair{&e.scale, &e.args.scale}, std::pair{&e.shift, &e.args.shift},
+        std::pair{&e.residual, &e.args.residual}}) {
+    if (tensor->defined() && tensor->numel() > 0) *pointer = tensor->data_ptr();
+  }
+  return e;
+}
+
 at::ScalarType acc_dtype(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
@@ -134,13 +215,28 @@ using namespace groupnorm;
 std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                                 const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
                                 const std::string& kernel, int64_t team, int64_t lag) {
+  return forward_fused(x, weight, bias, groups, eps, kernel, team, lag, c10::nullopt, c10::nullopt,
+                       c10::nullopt, {}, 0.01);
+}
+
+std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                                      const c10::optional<at::Tensor>& bias, int64_t groups,
+                                      double eps, const std::string& kernel, int64_t team,
+                                      int64_t lag, const c10::optional<at::Tensor>& scale,
+                                      const c10::optional<at::Tensor>& shift,
+                                      const c10::optional<at::Tensor>& residual,
+                                      const std::vector<int64_t>& activations, double slope) {
   Checked c = check_inputs(x, weight, bias, groups, eps);
   const c10::cuda::CUDAGuard guard(x.device());
   // c.x is dense (contiguous or channels-last-like), so y gets its exact strides.
   at::Tensor y = at::empty_like(c.x);
   at::Tensor mean = at::empty({c.problem.N, groups}, x.options().dtype(acc_dtype(x)));
   at::Tensor rstd = at::empty({c.problem.N, groups}, x.options().dtype(acc_dtype(x)));
+  const CheckedEpilogue epilogue = check_epilogue(x, y, scale, shift, residual, activations, slope);
   if (x.numel() == 0) return {y, mean, rstd};
+  // The residual is read in the vectors y is written in: they must suit its address too.
+  c.problem.addr |= reinterpret_cast<uintptr_t>(epilogue.args.residual);
+  c.problem.epilogue = epilogue.args.any();
   const ForwardPlan plan = choose_forward(c.problem, Request{kernel, team, lag});
   const cudaStream_t stream = current_stream(x);
   TensorWorkspace workspace(y, stream);
@@ -150,7 +246,8 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Ten
                          y.data_ptr(),
                          mean.data_ptr(),
                          rstd.data_ptr(),
-                         eps};
+                         eps,
+                         epilogue.args};
   with_dtype(c.problem.dtype, [&](auto tag) {
     using scalar_t = typename decltype(tag)::type;
     switch (plan.kernel) {

@@ -17,6 +17,21 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Ten
                                 const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
                                 const std::string& kernel, int64_t team, int64_t lag);
 
+// forward() with the epilogue of issue 24: y = GN(x) * weight + bias, then
+// y * (1 + scale) + shift (scale, shift: [N, C] of x's dtype and device, or
+// absent), then the activations in order (Activation codes, activation.h; at
+// most kMaxActivations; slope: LeakyReLU's), then y + residual (x's shape,
+// dtype and device; copied into y's layout first if its strides differ).
+// forward() is this without any of them; the operators (library.cpp) and the
+// KernelBench export call that one.
+std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                                      const c10::optional<at::Tensor>& bias, int64_t groups,
+                                      double eps, const std::string& kernel, int64_t team,
+                                      int64_t lag, const c10::optional<at::Tensor>& scale,
+                                      const c10::optional<at::Tensor>& shift,
+                                      const c10::optional<at::Tensor>& residual,
+                                      const std::vector<int64_t>& activations, double slope);
+
 // Registers forward() and backward() as the CUDA and autograd kernels of the
 // operators <ns>::forward and <ns>::backward, whose schemas the caller has
 // defined (library.cpp). Once per process.

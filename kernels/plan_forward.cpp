@@ -372,6 +372,9 @@ void check_request(const Problem& p, const Request& req) {
                     message("groupnorm: lag= sets the stream kernels' lag (kernel='stream'), not "
                             "that of kernel '",
                             k, "'"));
+  TORCH_CHECK_VALUE(!(p.epilogue && k == "registers"),
+                    "groupnorm: the registers kernel takes no epilogue (scale, shift, activation, "
+                    "residual) yet; force another kernel, or none");
 }
 
 }  // namespace
@@ -383,7 +386,11 @@ ForwardPlan choose_forward(const Problem& p, const Request& req) {
     if (p.channels_last) {
       if (auto plan = stream_channels_last(p, false, 0)) return *plan;
     }
-    if (auto plan = registers(p, false)) return *plan;
+    // The registers kernel has no epilogue: with its code there, it took more
+    // registers, also without one (epilogue.cuh).
+    if (!p.epilogue) {
+      if (auto plan = registers(p, false)) return *plan;
+    }
     if (!p.channels_last) {
       if (stream_contiguous_suits(p)) {
         ForwardPlan plan = stream_contiguous(p, 0);

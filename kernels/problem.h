@@ -22,6 +22,8 @@ struct Problem {
   uintptr_t addr;  // addresses the vectors must divide (x's, OR-ed with dy's in the backward)
   int device;
   const DeviceInfo* dev;
+  // The forward applies an epilogue (epilogue.cuh), which the registers kernel does not take.
+  bool epilogue = false;
 
   int64_t D() const { return C / G; }
   int64_t bytes() const { return N * C * HxW * elem; }  // of x
