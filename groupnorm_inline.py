@@ -21,6 +21,7 @@ import glob
 import hashlib
 import importlib.util
 import inspect
+import math
 import numbers
 import os
 import re
@@ -28,6 +29,7 @@ import sys
 import threading
 import time
 import types
+import typing
 import warnings
 
 import torch
@@ -430,7 +432,170 @@ def _check_cuda_arguments(caller, x, groups, weight, bias, eps):
     return groups, eps
 
 
-def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, lag=0):
+# The fused epilogue (issue 24): y = GN(x) * weight + bias, then
+# y * (1 + scale) + shift, then the activations, then y + residual.
+# Activation codes are kernels/activation.h's, in its order.
+_ACTIVATION_CODES = {name: code for code, name in enumerate(
+    ("silu", "gelu", "gelu_tanh", "relu", "leaky_relu", "tanh", "sigmoid", "hardswish", "mish"))}
+_MAX_ACTIVATIONS = 4  # kMaxActivations
+_LEAKY_SLOPE = 0.01  # F.leaky_relu's default negative_slope
+
+
+class _Epilogue(typing.NamedTuple):
+    """What group_norm applies after the affine: scale and shift as (N, C)
+    tensors (views; broadcast shapes expanded) or None, the residual (the
+    input's shape) or None, and the activation chain as ((name, slope), ...),
+    slope a float for leaky_relu and None for the others."""
+    scale: typing.Optional[torch.Tensor]
+    shift: typing.Optional[torch.Tensor]
+    residual: typing.Optional[torch.Tensor]
+    steps: tuple
+
+    def tensors(self):
+        return [t for t in (self.scale, self.shift, self.residual) if t is not None]
+
+    def codes(self):
+        return [_ACTIVATION_CODES[name] for name, _ in self.steps]
+
+    def slope(self):
+        return next((slope for _, slope in self.steps if slope is not None), _LEAKY_SLOPE)
+
+
+def _activation_step(caller, item):
+    """(name, slope) of one activation: a name, or ("leaky_relu", slope)."""
+    if isinstance(item, str):
+        if item not in _ACTIVATION_CODES:
+            raise GroupNormError(f"{caller}: unknown activation {item!r}; the activations are "
+                                 f"{', '.join(_ACTIVATION_CODES)}, ('leaky_relu', slope) and "
+                                 f"tuples of at most {_MAX_ACTIVATIONS} of them")
+        return item, (_LEAKY_SLOPE if item == "leaky_relu" else None)
+    if _is_leaky_with_slope(item):
+        slope = float(item[1])
+        if not math.isfinite(slope):
+            raise GroupNormError(f"{caller}: the leaky_relu slope must be finite, got {slope}")
+        return "leaky_relu", slope
+    raise _WrongType(f"{caller}: an activation is a name such as 'silu' or ('leaky_relu', slope), "
+                     f"got {item!r}")
+
+
+def _is_leaky_with_slope(value):
+    return (isinstance(value, tuple) and len(value) == 2 and value[0] == "leaky_relu"
+            and isinstance(value[1], numbers.Real) and not isinstance(value[1], bool))
+
+
+def _activation_steps(caller, activation):
+    """activation (None, a name, ("leaky_relu", slope) or a tuple chain of
+    these) as a tuple of (name, slope) steps, applied in order."""
+    if activation is None:
+        return ()
+    if isinstance(activation, str) or _is_leaky_with_slope(activation):
+        steps = (_activation_step(caller, activation),)
+    elif isinstance(activation, (tuple, list)):
+        steps = tuple(_activation_step(caller, item) for item in activation)
+    else:
+        raise _WrongType(f"{caller}: activation must be None, a name such as 'silu', "
+                         f"('leaky_relu', slope) or a tuple of them, got {type(activation).__name__}")
+    if len(steps) > _MAX_ACTIVATIONS:
+        raise GroupNormError(f"{caller}: at most {_MAX_ACTIVATIONS} activations in a chain, "
+                             f"got {len(steps)}: {activation!r}")
+    slopes = {slope for _, slope in steps if slope is not None}
+    if len(slopes) > 1:
+        raise GroupNormError(f"{caller}: one leaky_relu slope per chain, got {sorted(slopes)}")
+    return steps
+
+
+def _per_sample_channel(caller, name, t, input):
+    """scale or shift as an (N, C) view: shape (N, C), or one that broadcasts
+    to the input like (N, C, 1, ...), sizes of 1 in N or C included. (N, C)
+    means per sample and channel, whatever the input's rank (plain broadcasting
+    would align it with the last two dims)."""
+    if not isinstance(t, torch.Tensor):
+        raise _WrongType(f"{caller}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
+    N, C = input.shape[:2]
+    shape = tuple(t.shape)
+    if not (2 <= len(shape) <= input.dim() and shape[0] in (1, N) and shape[1] in (1, C)
+            and all(size == 1 for size in shape[2:])):
+        ones = ", 1" * (input.dim() - 2)
+        raise GroupNormError(f"{caller}: {name} must have shape (N, C) = ({N}, {C}), or one that "
+                             f"broadcasts like ({N}, {C}{ones}), got {list(shape)}")
+    return t.reshape(shape[:2]).expand(N, C)
+
+
+def _check_epilogue(caller, input, scale, shift, activation, residual):
+    """The epilogue options, checked against input's shape: an _Epilogue, or
+    None when there is nothing to apply."""
+    steps = _activation_steps(caller, activation)
+    if scale is None and shift is None and residual is None and not steps:
+        return None
+    if scale is not None:
+        scale = _per_sample_channel(caller, "scale", scale, input)
+    if shift is not None:
+        shift = _per_sample_channel(caller, "shift", shift, input)
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise _WrongType(f"{caller}: residual must be a torch.Tensor or None, got "
+                             f"{type(residual).__name__}")
+        if residual.shape != input.shape:
+            raise GroupNormError(f"{caller}: residual must have the input's shape "
+                                 f"{list(input.shape)}, got {list(residual.shape)}")
+    return _Epilogue(scale, shift, residual, steps)
+
+
+def _check_epilogue_like(caller, epilogue, input):
+    """The epilogue's tensors must have the input's dtype and device."""
+    for name, t in (("scale", epilogue.scale), ("shift", epilogue.shift),
+                    ("residual", epilogue.residual)):
+        if t is not None and t.dtype != input.dtype:
+            raise _WrongType(f"{caller}: {name} dtype must be the input's ({input.dtype}), got "
+                             f"{t.dtype}")
+        if t is not None and t.device != input.device:
+            raise GroupNormError(f"{caller}: {name} must be on the input's device "
+                                 f"({input.device}), got one on {t.device}")
+
+
+def _activate(y, name, slope):
+    """One activation by torch.nn.functional, as the kernels apply it."""
+    if name == "gelu_tanh":
+        return F.gelu(y, approximate="tanh")
+    if name == "leaky_relu":
+        return F.leaky_relu(y, slope)
+    functions = {"silu": F.silu, "gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh,
+                 "sigmoid": torch.sigmoid, "hardswish": F.hardswish, "mish": F.mish}
+    return functions[name](y)
+
+
+def _torch_epilogue(y, epilogue):
+    """The epilogue by torch ops, one after another: the CPU path's (and
+    torch's path's) definition of what the kernels fuse."""
+    per_channel = y.shape[:2] + (1,) * (y.dim() - 2)
+    if epilogue.scale is not None:
+        y = y * (1 + epilogue.scale.reshape(per_channel))
+    if epilogue.shift is not None:
+        y = y + epilogue.shift.reshape(per_channel)
+    for name, slope in epilogue.steps:
+        y = _activate(y, name, slope)
+    if epilogue.residual is not None:
+        y = y + epilogue.residual
+    return y
+
+
+def _fused_call(caller, epilogue, gamma, beta, groups, eps, kernel, team, lag, x):
+    """The extension's forward_fused for x with the epilogue, eager and without
+    gradients only (the fused backward and the operator's schema come later)."""
+    if torch.compiler.is_compiling():
+        _refuse_under_compile(caller)
+    if _needs_grad(x, gamma, beta, *epilogue.tensors()):
+        raise GroupNormError(f"{caller}: the fused backward of scale, shift, activation and "
+                             "residual is not implemented yet; call it without gradients "
+                             "(torch.no_grad(), or tensors that do not require grad), or apply "
+                             "these ops after group_norm")
+    return load().forward_fused(x, gamma, beta, groups, eps, kernel, team, lag, epilogue.scale,
+                                epilogue.shift, epilogue.residual, epilogue.codes(),
+                                epilogue.slope())[0]
+
+
+def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, lag=0,
+                   scale=None, shift=None, activation=None, residual=None):
     """GroupNorm of a CUDA tensor by this module's kernels, never by torch,
     forward and backward (autograd; under torch.compile / export through the
     registered op groupnorm_inline::forward).
@@ -439,6 +604,9 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     (C,) tensors of x's dtype and device, or None. Returns a new tensor in x's
     dtype and memory format.
 
+    scale, shift, activation, residual: the fused epilogue, as in group_norm
+    (tensors of x's dtype and device); forward only, eager only for now.
+
     For tests and tuning (forward only, eager only; 0 = automatic):
     `kernel` forces a kernel: "auto", "reference", "registers", "contiguous",
     "channels_last" or "stream" (either layout); `team` the CTAs per unit of
@@ -446,23 +614,31 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     kernels' lag in pieces.
     """
     groups, eps = _check_cuda_arguments("groupnorm_cuda", x, groups, gamma, beta, eps)
-    if _func_transformed(x, gamma, beta):
+    epilogue = _check_epilogue("groupnorm_cuda", x, scale, shift, activation, residual)
+    if epilogue is not None:
+        _check_epilogue_like("groupnorm_cuda", epilogue, x)
+    if _func_transformed(x, gamma, beta, *(epilogue.tensors() if epilogue else ())):
         raise GroupNormError("groupnorm_cuda: torch.func transforms (grad, vmap, ...) are not "
                              "supported; group_norm hands them to torch")
     if kernel == "auto" and team == 0 and lag == 0:
-        return _cuda_forward(x, gamma, beta, groups, eps)
+        return _cuda_forward(x, gamma, beta, groups, eps, epilogue)
     if torch.compiler.is_compiling() or _needs_grad(x, gamma, beta):
         raise GroupNormError("groupnorm_cuda: kernel/team/lag overrides are for forward-only "
                              "eager tests: they record no gradients and torch.compile cannot "
                              "trace them")
+    if epilogue is not None:
+        return _fused_call("groupnorm_cuda", epilogue, gamma, beta, groups, eps, kernel, team, lag, x)
     return load().forward(x, gamma, beta, groups, eps, kernel, team, lag)[0]
 
 
-def _cuda_forward(x, gamma, beta, groups, eps):
+def _cuda_forward(x, gamma, beta, groups, eps, epilogue=None, caller="groupnorm_cuda"):
     """This module's kernels: the registered op (its autograd is in C++,
     kernels/library.cpp) where gradients are needed and wherever torch.compile
     / export trace; without gradients in eager mode, the bare extension call,
-    which skips the dispatcher."""
+    which skips the dispatcher. With an epilogue, the extension's
+    forward_fused, eager and without gradients only (_fused_call)."""
+    if epilogue is not None:
+        return _fused_call(caller, epilogue, gamma, beta, groups, eps, "auto", 0, 0, x)
     if torch.compiler.is_compiling():
         _kernels_loaded()
         return _OPS.forward(x, gamma, beta, groups, eps)[0]
@@ -489,10 +665,22 @@ def _kernels_loaded():
     return True
 
 
+@_traced_as_constant
+def _refuse_under_compile(caller):
+    """Raises while torch.compile traces a call with an epilogue (Dynamo
+    reports the GroupNormError inside its own error): the epilogue has no
+    registered operator yet, so a graph cannot call it."""
+    raise GroupNormError(f"{caller}: scale, shift, activation and residual are not yet supported "
+                         "under torch.compile (nor torch.export); call group_norm without them "
+                         "there and apply these ops after it")
+
+
 def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False):
     """The kernel groupnorm_cuda would run for x with these forcing arguments
     (see groupnorm_cuda), its parameters, and why: a dict, as the extension
-    returns it.
+    returns it. A call with an epilogue (scale, shift, activation, residual)
+    never takes the registers kernel, which has none, and a residual whose
+    address allows narrower vectors than x's narrows them.
 
     With backward=True, the backward's kernel and tiling for x (and a
     grad_output laid out like it, dx wanted): there kernel is "auto",
@@ -508,8 +696,8 @@ def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False):
     return load().plan(x, groups, kernel, team, lag)
 
 
-def _takes_cuda_path(input, weight, bias):
-    if not input.is_cuda or _func_transformed(input, weight, bias):
+def _takes_cuda_path(input, weight, bias, *others):
+    if not input.is_cuda or _func_transformed(input, weight, bias, *others):
         return False
     for t in (weight, bias):
         if t is not None and (t.dtype != input.dtype or t.device != input.device):
@@ -528,14 +716,32 @@ def _func_transformed(*tensors):
     return any(t is not None and wrapped(t) for t in tensors)
 
 
-def _needs_grad(input, weight, bias):
-    return torch.is_grad_enabled() and (input.requires_grad or
-                                        (weight is not None and weight.requires_grad) or
-                                        (bias is not None and bias.requires_grad))
+def _needs_grad(*tensors):
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
-    """Same signature and result as torch.nn.functional.group_norm.
+def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=None, shift=None,
+               activation=None, residual=None):
+    """Same signature and result as torch.nn.functional.group_norm, and an
+    optional fused epilogue:
+
+        y = GN(input) * weight + bias
+        y = y * (1 + scale) + shift     scale, shift: (N, C), or like (N, C, 1, ...)
+        y = act(y)                      activation: see below
+        y = y + residual                residual: the input's shape
+
+    activation: None, "silu", "gelu" (erf), "gelu_tanh", "relu", "leaky_relu"
+    (slope 0.01) or ("leaky_relu", slope), "tanh", "sigmoid", "hardswish",
+    "mish", or a tuple of at most 4 of them applied in order, e.g. ("tanh",
+    "hardswish"); formulas as torch.nn.functional's. The epilogue's tensors
+    must have the input's dtype and device. CUDA tensors apply it inside the
+    kernels, in float (double for float64 input) before rounding to the
+    output dtype; a residual whose strides differ from the output's (the
+    input's layout) is first copied into that layout, a pass over its bytes.
+    Forward only for now: with gradients needed it raises GroupNormError, and
+    so does torch.compile. CPU tensors (and mixed dtypes or devices of weight
+    and bias, which go to torch) compute it by the torch ops above, one after
+    another, gradients included.
 
     CUDA tensors run this module's kernels, forward and backward (through the
     registered op groupnorm_inline::forward under torch.compile / export).
@@ -546,6 +752,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     raises GroupNormError, which is also the type torch raises for it.
     """
     num_groups, eps = _check_arguments("group_norm", input, num_groups, weight, bias, eps)
+    epilogue = _check_epilogue("group_norm", input, scale, shift, activation, residual)
     if _single_value_per_channel(input, num_groups):
         raise GroupNormError("group_norm: expected more than 1 value per channel, got input of "
                              f"size {list(input.shape)}")
@@ -555,14 +762,24 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     if input.is_cuda and torch.is_autocast_enabled("cuda"):
         # torch's float32 autocast policy: half-precision tensors become
         # float32, float64 ones stay as they are
-        input, weight, bias = (t.float() if t is not None and t.dtype in _HALF_DTYPES else t
-                               for t in (input, weight, bias))
-    if _takes_cuda_path(input, weight, bias) and _kernels_available():
-        return _cuda_forward(input, weight, bias, num_groups, eps)
+        input, weight, bias = (_autocast_float32(t) for t in (input, weight, bias))
+        if epilogue is not None:
+            epilogue = epilogue._replace(**{name: _autocast_float32(getattr(epilogue, name))
+                                            for name in ("scale", "shift", "residual")})
+    if epilogue is not None:
+        _check_epilogue_like("group_norm", epilogue, input)
+    others = epilogue.tensors() if epilogue is not None else ()
+    if _takes_cuda_path(input, weight, bias, *others) and _kernels_available():
+        return _cuda_forward(input, weight, bias, num_groups, eps, epilogue, caller="group_norm")
     if weight is None and bias is not None and _needs_grad(input, weight, bias):
         # torch's backward before 2.14 fails on a bias without a weight
         weight = torch.ones_like(bias)
-    return F.group_norm(input, num_groups, weight, bias, eps)
+    y = F.group_norm(input, num_groups, weight, bias, eps)
+    return y if epilogue is None else _torch_epilogue(y, epilogue)
+
+
+def _autocast_float32(t):
+    return t.float() if t is not None and t.dtype in _HALF_DTYPES else t
 
 
 _toolchain_error = None  # the ToolchainError that sent group_norm to torch
@@ -693,14 +910,19 @@ class GroupNorm(nn.GroupNorm):
     """Drop-in nn.GroupNorm: same constructor (bias=False included, with any
     torch), parameters, init and state_dict; forward runs group_norm() above.
     Its repr is nn.GroupNorm's under the name groupnorm_inline.GroupNorm, so
-    print(model) tells these layers from torch's."""
+    print(model) tells these layers from torch's.
+
+    activation (keyword only): applied after the affine inside the kernel, as
+    group_norm's `activation` (forward only on CUDA for now). A plain
+    attribute, not in the state_dict; the repr shows it when set."""
 
     # set by replace_groupnorm when an nn.Sequential runs this layer right
     # before an activation a fused kernel could apply (see _activation_name)
     next_activation = None
+    _activation = None  # what `activation` returns: the fused activation, as given
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None,
-                 *, bias=True):
+                 *, bias=True, activation=None):
         # numpy scalars and 0-d tensors become int and float here:
         # torch.compile traces plain Python numbers
         num_groups, eps = _check_scalars("GroupNorm", num_groups, eps)
@@ -710,11 +932,27 @@ class GroupNorm(nn.GroupNorm):
             super().__init__(num_groups, num_channels, eps, affine, device, dtype)
             if not bias:
                 self.register_parameter("bias", None)
+        # not through the setter: GroupNormAct's `activation` has none
+        _activation_steps("GroupNorm", activation)  # a bad name fails here, not at the first call
+        self._activation = activation
+
+    @property
+    def activation(self):
+        """The activation applied after the affine inside the kernel
+        (group_norm's `activation`), or None."""
+        return self._activation
+
+    @activation.setter
+    def activation(self, value):
+        _activation_steps("GroupNorm", value)
+        self._activation = value
 
     def extra_repr(self):
         text = super().extra_repr()
         if self.affine and self.bias is None and "bias=" not in text:
             text += ", bias=False"  # as torch 2.14 shows it; older torch has no bias argument
+        if self._activation is not None:
+            text += f", activation={self._activation!r}"
         return text
 
     def _get_name(self):
@@ -722,7 +960,8 @@ class GroupNorm(nn.GroupNorm):
         return f"groupnorm_inline.{name}" if type(self).__module__ == __name__ else name
 
     def forward(self, input):
-        return group_norm(input, self.num_groups, self.weight, self.bias, self.eps)
+        return group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
+                          activation=self._activation)
 
 
 _TORCH_ACTIVATIONS = {nn.SiLU: "silu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
@@ -757,8 +996,8 @@ class GroupNormAct(GroupNorm):
     """GroupNorm, then the module `drop`, then the module `act` (each
     nn.Identity when None): what replace_groupnorm makes of timm's
     GroupNormAct and GroupNorm1Act, with their state_dict keys and their drop
-    and act modules. `activation` names act for a fused kernel (see
-    _activation_name), or is None."""
+    and act modules. `activation` (read only) names act for a fused kernel
+    (see _activation_name), or is None; act runs unfused for now."""
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None,
                  *, bias=True, drop=None, act=None):
@@ -771,7 +1010,7 @@ class GroupNormAct(GroupNorm):
         return _activation_name(self.act)
 
     def forward(self, input):
-        # unfused: group_norm takes no activation yet
+        # unfused: the fused epilogue has no backward yet, and drop runs between
         return self.act(self.drop(super().forward(input)))
 
 

@@ -124,6 +124,14 @@ def forbid_torch_group_norm(monkeypatch):
     monkeypatch.setattr(F, "group_norm", refuse)
 
 
+def raise_each(cases):
+    """Each (call, exception type, message fragment): the call raises it."""
+    for call, exc, fragment in cases:
+        with pytest.raises(exc) as info:
+            call()
+        assert fragment in str(info.value), str(info.value)
+
+
 def describe_mismatch(out, ref, tol):
     diff = (out.double() - ref).abs()
     bad = (diff > tol) | diff.isnan()
@@ -952,6 +960,266 @@ def test_self_check_without_gpu_says_so():
 
 
 # ---------------------------------------------------------------------------
+# The fused epilogue: y * (1 + scale) + shift, activation, + residual
+# ---------------------------------------------------------------------------
+
+# torch.nn.functional's activations by the names group_norm takes
+ACTIVATIONS = {
+    "silu": F.silu, "gelu": F.gelu, "gelu_tanh": lambda y: F.gelu(y, approximate="tanh"),
+    "relu": F.relu, "leaky_relu": F.leaky_relu, "tanh": torch.tanh, "sigmoid": torch.sigmoid,
+    "hardswish": F.hardswish, "mish": F.mish,
+}
+
+
+def unfused(x, groups, w, b, eps=1e-5, **epilogue):
+    """The sequence the epilogue fuses, written out with torch ops."""
+    return apply_epilogue(F.group_norm(x, groups, w, b, eps), **epilogue)
+
+
+def apply_epilogue(y, scale=None, shift=None, activation=None, residual=None):
+    """The epilogue of y = GroupNorm(x) by torch ops, one after another:
+    scale and shift per (sample, channel), any of their accepted shapes."""
+    per_channel = tuple(y.shape[:2]) + (1,) * (y.dim() - 2)
+    if scale is not None:
+        y = y * (1 + scale.reshape(scale.shape[:2]).expand(y.shape[:2]).reshape(per_channel))
+    if shift is not None:
+        y = y + shift.reshape(shift.shape[:2]).expand(y.shape[:2]).reshape(per_channel)
+    steps = ((activation,) if isinstance(activation, str) or
+             (isinstance(activation, tuple) and activation[:1] == ("leaky_relu",) and
+              len(activation) == 2 and not isinstance(activation[1], str))
+             else activation or ())
+    for step in steps:
+        y = F.leaky_relu(y, step[1]) if isinstance(step, tuple) else ACTIVATIONS[step](y)
+    if residual is not None:
+        y = y + residual
+    return y
+
+
+# (name, options): each option alone, chains, and everything at once
+EPILOGUES = [
+    ("scale", dict(scale=True)),
+    ("shift", dict(shift=True)),
+    ("scale-shift", dict(scale=True, shift=True)),
+    *((name, dict(activation=name)) for name in ACTIVATIONS),
+    ("leaky_relu-0.2", dict(activation=("leaky_relu", 0.2))),
+    ("tanh-hardswish", dict(activation=("tanh", "hardswish"))),
+    ("residual", dict(residual=True)),
+    ("all", dict(scale=True, shift=True, activation=(("leaky_relu", 0.3), "silu", "gelu_tanh"),
+                 residual=True)),
+]
+
+
+def epilogue_tensors(x, options, scale_shape=None):
+    """Fresh tensors for the options that take one, x's dtype and device:
+    scale and shift (N, C) (or scale_shape), residual x's shape and layout."""
+    N, C = x.shape[:2]
+    shape = scale_shape or (N, C)
+    out = {}
+    if options.get("scale"):
+        out["scale"] = 0.5 * torch.randn(shape, device=x.device).to(x.dtype)
+    if options.get("shift"):
+        out["shift"] = torch.randn(shape, device=x.device).to(x.dtype)
+    if options.get("residual"):
+        out["residual"] = torch.randn_like(x)
+    if "activation" in options:
+        out["activation"] = options["activation"]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16],
+                         ids=["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("name, options", EPILOGUES, ids=[name for name, _ in EPILOGUES])
+def test_cpu_epilogue_equals_the_unfused_sequence(name, options, dtype):
+    for shape, groups in (((2, 6, 5, 7), 3), ((3, 8, 11), 4), ((2, 4), 2)):
+        x = torch.randn(shape, dtype=dtype)
+        w, b = affine(shape[1], dtype, "cpu", "both")
+        args = epilogue_tensors(x, options)
+        torch.testing.assert_close(gn.group_norm(x, groups, w, b, **args),
+                                   unfused(x, groups, w, b, **args), rtol=0, atol=0)
+
+
+def test_cpu_scale_and_shift_shapes():
+    # (N, C), (N, C, 1, ...) and sizes of 1 in N or C: per (sample, channel)
+    x = torch.randn(2, 6, 4, 5)
+    for shape in ((2, 6), (2, 6, 1, 1), (2, 6, 1), (1, 6, 1, 1), (2, 1), (1, 1, 1, 1)):
+        s, t = torch.randn(shape), torch.randn(shape)
+        torch.testing.assert_close(gn.group_norm(x, 3, scale=s, shift=t),
+                                   unfused(x, 3, None, None, scale=s, shift=t), rtol=0, atol=0)
+    for shape in ((6,), (2, 6, 4, 5), (2, 6, 1, 1, 1), (3, 6), (2, 5), (2, 6, 2, 1), (2, 6, 4, 1)):
+        with pytest.raises(ValueError, match=re.escape(f"scale must have shape (N, C) = (2, 6)") +
+                           r".*" + re.escape(f"got {list(shape)}")):
+            gn.group_norm(x, 3, scale=torch.randn(shape))
+    with pytest.raises(ValueError, match=re.escape("shift must have shape (N, C) = (2, 6), or one "
+                                                   "that broadcasts like (2, 6, 1, 1), got [6]")):
+        gn.group_norm(x, 3, shift=torch.randn(6))
+    with pytest.raises(ValueError, match=re.escape("residual must have the input's shape "
+                                                   "[2, 6, 4, 5], got [2, 6, 4, 1]")):
+        gn.group_norm(x, 3, residual=torch.randn(2, 6, 4, 1))
+
+
+def test_cpu_activation_names_and_chains():
+    x = torch.randn(2, 6, 5)
+    base = F.group_norm(x, 3)
+    for name, fn in ACTIVATIONS.items():
+        torch.testing.assert_close(gn.group_norm(x, 3, activation=name), fn(base), rtol=0, atol=0)
+    torch.testing.assert_close(gn.group_norm(x, 3, activation=("leaky_relu", 0.2)),
+                               F.leaky_relu(base, 0.2), rtol=0, atol=0)
+    torch.testing.assert_close(gn.group_norm(x, 3, activation=["tanh", "hardswish"]),
+                               F.hardswish(torch.tanh(base)), rtol=0, atol=0)
+    torch.testing.assert_close(gn.group_norm(x, 3, activation=(("leaky_relu", 0.01), "leaky_relu")),
+                               F.leaky_relu(F.leaky_relu(base)), rtol=0, atol=0)
+    torch.testing.assert_close(gn.group_norm(x, 3, activation=()), base, rtol=0, atol=0)
+    assert gn._activation_steps("f", ("leaky_relu", "tanh")) == (("leaky_relu", 0.01), ("tanh", None))
+    assert gn._activation_steps("f", ("leaky_relu", 2)) == (("leaky_relu", 2.0),)
+    epilogue = gn._check_epilogue("f", x, None, None, ("silu", ("leaky_relu", 0.5), "mish"), None)
+    assert epilogue.codes() == [0, 4, 8] and epilogue.slope() == 0.5
+
+
+@pytest.mark.parametrize("activation, error, fragment", [
+    ("swish", ValueError, "unknown activation 'swish'; the activations are silu, gelu, gelu_tanh, "
+                          "relu, leaky_relu, tanh, sigmoid, hardswish, mish"),
+    ("SiLU", ValueError, "unknown activation 'SiLU'"),
+    (("tanh", "nope"), ValueError, "unknown activation 'nope'"),
+    (("silu",) * 5, ValueError, "at most 4 activations in a chain, got 5"),
+    ((("leaky_relu", 0.1), ("leaky_relu", 0.2)), ValueError, "one leaky_relu slope per chain"),
+    (("leaky_relu", float("nan")), ValueError, "slope must be finite"),
+    (("tanh", 0.2), TypeError, "an activation is a name"),
+    (nn.SiLU(), TypeError, "activation must be None, a name"),
+    (3, TypeError, "activation must be None, a name"),
+    (("leaky_relu", True), TypeError, "an activation is a name"),
+])
+def test_cpu_bad_activation_raises_clear_error(activation, error, fragment):
+    x = torch.randn(2, 6, 5)
+    with pytest.raises(error, match=re.escape(fragment)) as info:
+        gn.group_norm(x, 3, activation=activation)
+    assert isinstance(info.value, gn.GroupNormError)
+    with pytest.raises(error, match=re.escape(fragment)):
+        gn.GroupNorm(3, 6, activation=activation)
+
+
+def test_cpu_epilogue_dtype_and_device_must_match_the_input():
+    x = torch.randn(2, 6, 5)
+    with pytest.raises(TypeError, match=re.escape("scale dtype must be the input's (torch.float32), "
+                                                  "got torch.float64")):
+        gn.group_norm(x, 3, scale=torch.randn(2, 6, dtype=torch.float64))
+    with pytest.raises(TypeError, match="residual dtype must be the input's"):
+        gn.group_norm(x, 3, residual=torch.randn(2, 6, 5).half())
+    with pytest.raises(ValueError, match=re.escape("shift must be on the input's device (cpu), got "
+                                                   "one on meta")):
+        gn.group_norm(x, 3, shift=torch.randn(2, 6, device="meta"))
+    with pytest.raises(TypeError, match="scale must be a torch.Tensor or None, got list"):
+        gn.group_norm(x, 3, scale=[[1.0] * 6] * 2)
+    with pytest.raises(TypeError, match="residual must be a torch.Tensor or None"):
+        gn.group_norm(x, 3, residual=1.0)
+
+
+def test_cpu_epilogue_gradients():
+    # CPU runs the torch ops: every input gets its gradient
+    x = torch.randn(2, 6, 3, 4, dtype=torch.float64, requires_grad=True)
+    w, b = (torch.randn(6, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    s, t = (torch.randn(2, 6, 1, 1, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    r = torch.randn(2, 6, 3, 4, dtype=torch.float64, requires_grad=True)
+    fn = lambda *a: gn.group_norm(a[0], 3, a[1], a[2], scale=a[3], shift=a[4], residual=a[5],  # noqa: E731
+                                  activation=("silu", "tanh"))
+    assert torch.autograd.gradcheck(fn, (x, w, b, s, t, r))
+
+
+def test_module_activation_attribute_repr_and_state_dict():
+    layer = gn.GroupNorm(3, 6, activation=("tanh", "hardswish"))
+    assert layer.activation == ("tanh", "hardswish")
+    assert "activation=('tanh', 'hardswish')" in repr(layer)
+    assert "activation" not in repr(gn.GroupNorm(3, 6))
+    assert gn.GroupNorm(3, 6).activation is None
+    theirs = nn.GroupNorm(3, 6)
+    randomized(theirs)
+    assert list(layer.state_dict()) == list(theirs.state_dict())
+    layer.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 6, 7)
+    torch.testing.assert_close(layer(x), F.hardswish(torch.tanh(theirs(x))), rtol=0, atol=0)
+    layer.activation = "silu"  # a plain attribute
+    torch.testing.assert_close(layer(x), F.silu(theirs(x)), rtol=0, atol=0)
+    # GroupNormAct's `activation` names its act module, which it applies unfused
+    act = gn.GroupNormAct(3, 6, act=nn.ReLU())
+    act.load_state_dict(theirs.state_dict())
+    assert act.activation == "relu" and "activation=" not in repr(act)
+    torch.testing.assert_close(act(x), F.relu(theirs(x)), rtol=0, atol=0)
+
+
+def fake_fused_extension(monkeypatch):
+    """load() and _kernels_available() stood in for: the calls that reach the
+    extension's forward and forward_fused, recorded."""
+    calls = []
+
+    class Extension:
+        def forward(self, x, weight, bias, groups, eps, kernel, team, lag):
+            calls.append(("forward", kernel, team, lag))
+            return torch.Tensor.clone(x), None, None
+
+        def forward_fused(self, x, weight, bias, groups, eps, kernel, team, lag, scale, shift,
+                          residual, activations, slope):
+            calls.append(("forward_fused", kernel, team, lag, scale, shift, residual, activations,
+                          slope))
+            return torch.Tensor.clone(x), None, None
+
+    monkeypatch.setattr(gn, "load", Extension)
+    monkeypatch.setattr(gn, "_kernels_available", lambda: True)
+    return calls
+
+
+def test_fused_call_reaches_the_extension_with_codes_and_slope(monkeypatch):
+    calls = fake_fused_extension(monkeypatch)
+    x = torch.randn(2, 6, 4).as_subclass(PretendCuda)
+    s = torch.randn(2, 6, 1)
+    r = torch.randn(2, 6, 4)
+    gn.group_norm(x, 3, scale=s, activation=(("leaky_relu", 0.25), "hardswish"), residual=r)
+    gn.groupnorm_cuda(x, None, None, 3, kernel="contiguous", team=2, activation="gelu")
+    gn.groupnorm_cuda(x, None, None, 3, kernel="stream", lag=4)
+    gn.group_norm(x, 3)  # no epilogue: the plain forward
+    (_, kernel, team, lag, scale, shift, residual, codes, slope), fused, plain, plain2 = calls
+    assert (kernel, team, lag, codes, slope) == ("auto", 0, 0, [4, 7], 0.25)
+    assert scale.shape == (2, 6) and torch.equal(scale, s.reshape(2, 6)) and shift is None
+    assert residual is r
+    assert fused[1:4] == ("contiguous", 2, 0) and fused[7:] == ([1], 0.01)
+    assert plain == ("forward", "stream", 0, 4) and plain2 == ("forward", "auto", 0, 0)
+
+
+def test_fused_call_with_gradients_raises(monkeypatch):
+    calls = fake_fused_extension(monkeypatch)
+    x = torch.randn(2, 6, 4).as_subclass(PretendCuda)
+    needs = [
+        dict(input=x.detach().requires_grad_(), activation="silu"),
+        dict(input=x, activation="silu", weight=torch.ones(6, requires_grad=True)),
+        dict(input=x, scale=torch.randn(2, 6, requires_grad=True)),
+        dict(input=x, residual=torch.randn(2, 6, 4, requires_grad=True)),
+    ]
+    for kwargs in needs:
+        with pytest.raises(ValueError, match="fused backward of scale, shift, activation and "
+                                             "residual is not implemented yet"):
+            gn.group_norm(num_groups=3, **kwargs)
+        with torch.no_grad():
+            gn.group_norm(num_groups=3, **kwargs)
+    layer = gn.GroupNorm(3, 6, activation="relu")
+    with pytest.raises(ValueError, match="fused backward"):
+        layer(x)
+    with pytest.raises(ValueError, match="fused backward"):
+        gn.groupnorm_cuda(x, None, None, 3, kernel="reference", scale=torch.randn(2, 6, requires_grad=True))
+    assert len(calls) == len(needs)  # only the no_grad calls ran
+    # without the epilogue, gradients take the operator as before: no error here
+    assert gn._needs_grad(x.detach().requires_grad_()) and not gn._needs_grad(x, None)
+
+
+def test_fused_call_under_torch_compile_raises(monkeypatch):
+    fake_fused_extension(monkeypatch)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    x = torch.randn(2, 6, 4).as_subclass(PretendCuda)
+    with pytest.raises(ValueError, match="group_norm: scale, shift, activation and residual are "
+                                         "not yet supported under torch.compile"):
+        gn.group_norm(x, 3, activation="silu")
+    with pytest.raises(ValueError, match="not yet supported under torch.compile"):
+        gn.groupnorm_cuda(x, None, None, 3, shift=torch.randn(2, 6))
+
+
+# ---------------------------------------------------------------------------
 # GPU tests
 # ---------------------------------------------------------------------------
 
@@ -982,28 +1250,39 @@ def shape_id(case):
     return "x".join(map(str, shape)) + f"-G{groups}"
 
 
+EVERY_DTYPE = pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+EVERY_GPU_SHAPE = pytest.mark.parametrize("case", GPU_SHAPES, ids=[shape_id(c) for c in GPU_SHAPES])
+
+
 @cuda
-@pytest.mark.parametrize("case", GPU_SHAPES, ids=[shape_id(c) for c in GPU_SHAPES])
+@EVERY_GPU_SHAPE
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+@EVERY_DTYPE
 def test_gpu_matches_float64_reference(case, layout, dtype):
     shape, groups = case
     x = make_input(shape, dtype, layout, "cuda")
     before = x.clone()
-    for kind in ("both", "none", "weight"):
+    # and the fused epilogue: (options, shape of scale and shift) per affine kind
+    broadcast = (shape[0], shape[1]) + (1,) * (len(shape) - 2)
+    epilogues = {"both": (dict(EPILOGUES)["all"], None),
+                 "none": (dict(scale=True, shift=True, activation="silu"), broadcast),
+                 "weight": (dict(activation=("tanh", "hardswish"), residual=True), None)}
+    for kind, (options, scale_shape) in epilogues.items():
         w, b = affine(shape[1], dtype, "cuda", kind)
         check_against_reference(x, groups, w, b)
+        check_epilogue(x, groups, w, b, epilogue_tensors(x, options, scale_shape))
     assert torch.equal(x, before), "input was modified"
 
 
 @cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+@EVERY_DTYPE
 def test_gpu_shifted_inputs_stay_accurate(layout, dtype):
     for shape, groups in [((2, 64, 33, 31), 8), ((1, 32, 128, 128), 2)]:
         x = make_input(shape, dtype, layout, "cuda", shift=1000.0)
         w, b = affine(shape[1], dtype, "cuda", "both")
         check_against_reference(x, groups, w, b)
+        check_epilogue(x, groups, w, b, epilogue_tensors(x, dict(EPILOGUES)["all"]))
 
 
 # The last number of a row forces the team kernels' CTAs per unit (team=) or
@@ -1092,9 +1371,9 @@ def forced_id(case):
     return f"{shape_id((shape, groups))}-{str(dtype)[6:]}-{layout}-{kernel}-{'L' if kernel == 'stream' else 'T'}{n}"
 
 
-@cuda
-@pytest.mark.parametrize("case", FORCED, ids=forced_id)
-def test_gpu_forced_paths(case):
+def forced_input(case):
+    """(x, plan, forcing arguments) of a FORCED row, skipped where the
+    device cannot run its kernel."""
     shape, groups, dtype, layout, kernel, n = case
     force = forcing(kernel, n)
     x = make_input(shape, dtype, layout, "cuda", shift=2.0)
@@ -1105,6 +1384,14 @@ def test_gpu_forced_paths(case):
             pytest.skip("a group larger than one CTA needs thread-block clusters (sm_90+)")
     plan = gn.plan(x, groups, kernel=kernel, **force)
     assert plan["kernel"] == kernel, plan
+    return x, plan, force
+
+
+@cuda
+@pytest.mark.parametrize("case", FORCED, ids=forced_id)
+def test_gpu_forced_paths(case):
+    shape, groups, dtype, layout, kernel, n = case
+    x, plan, force = forced_input(case)
     if kernel == "stream":  # the lag, kept between pieces per unit and all pieces
         pieces = plan["pieces"]
         units = x.shape[0] * (plan["blocks"] if layout == "channels_last" else groups)
@@ -1549,10 +1836,7 @@ def test_gpu_forced_kernel_errors_name_the_problem():
         (lambda: gn.plan(big_group, 1, kernel="contiguous", team=100000), RuntimeError,
          "a team of 100000 CTAs cannot be co-resident"),
     ]
-    for call, exc, fragment in cases:
-        with pytest.raises(exc) as info:
-            call()
-        assert fragment in str(info.value), str(info.value)
+    raise_each(cases)
 
 
 @cuda
@@ -1807,7 +2091,7 @@ def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, a
 @cuda
 @pytest.mark.parametrize("case", BACKWARD_SHAPES, ids=[shape_id(c) for c in BACKWARD_SHAPES])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=[str(d)[6:] for d in DTYPES])
+@EVERY_DTYPE
 def test_gpu_backward_matches_float64_reference(case, layout, dtype):
     shape, groups = case
     x = make_input(shape, dtype, layout, "cuda")
@@ -2461,3 +2745,185 @@ def test_gpu_compile_fusion_runs_our_kernels_for_torchs_group_norm(dtype):
                                        fused, eager, exact):
         slack = 4 * torch.finfo(dtype).eps * ref.abs().max().item()
         assert tools.max_error(ours, ref) <= 2 * tools.max_error(theirs, ref) + slack, name
+
+
+# ---------------------------------------------------------------------------
+# GPU: the fused epilogue
+# ---------------------------------------------------------------------------
+
+def epilogue_tolerance(x, w, args, ref_gn, ref_pre, ref, torch_err):
+    """float32/64: GroupNorm's tolerance scaled by |1 + scale| and by 1.5 per
+    activation (the steepest slope among them: hardswish's, at 3), plus a few
+    roundings of each activation and of the residual's sum at the largest
+    value; float16/bfloat16: the error of torch's unfused sequence in that
+    dtype (which rounds after every op) against the same reference, give or
+    take half an output ulp at the largest output."""
+    dtype = x.dtype
+    eps = torch.finfo(dtype).eps
+    if dtype in (torch.float16, torch.bfloat16):
+        return 1.1 * torch_err + 0.5 * eps * ref.abs().max().item()
+    steps = len(gn._activation_steps("test", args.get("activation")))
+    scale = args.get("scale")
+    gain = (1 + scale.double()).abs().max().item() if scale is not None else 1.0
+    big = max(ref_pre.abs().max().item(), ref.abs().max().item())
+    return tolerance(x, ref_gn, dtype, 0.0, w) * gain * 1.5 ** steps + (2 + 4 * steps) * eps * big
+
+
+def check_epilogue(x, groups, w, b, args, **force):
+    """groupnorm_cuda with the epilogue `args` (and forcing arguments), its
+    output in a poisoned block, against a float64 reference: GroupNorm
+    written out in float64, then the epilogue's torch ops in float64 on the
+    GPU (torch's CUDA formulas, which the kernels follow). The epilogue's
+    tensors must come back unchanged."""
+    ref_gn = tools.reference_group_norm(x, groups, w, b, 1e-5)
+    double = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    ref_pre = apply_epilogue(ref_gn, scale=double.get("scale"), shift=double.get("shift"))
+    ref = apply_epilogue(ref_gn, **double)
+    dense = x.is_contiguous() or channels_last_like(x)
+    before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+    y, landed = poisoned(lambda: gn.groupnorm_cuda(x, w, b, groups, 1e-5, **force, **args), x,
+                         blocks=1 if dense else 2)
+    assert landed, "output did not reuse a poisoned block"
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if dense:
+        assert y.stride() == x.stride(), f"memory format not kept: {y.stride()} vs {x.stride()}"
+    for name, value in before.items():
+        assert torch.equal(args[name], value), f"{name} was modified"
+    if x.numel() == 0:
+        return y
+    theirs = apply_epilogue(tools.torch_group_norm(x, groups, w, b, 1e-5), **args)
+    tol = epilogue_tolerance(x, w, args, ref_gn, ref_pre, ref, tools.max_error(theirs, ref))
+    assert not y.isnan().any(), describe_mismatch(y, ref, tol)
+    assert tools.max_error(y, ref) <= tol, describe_mismatch(y, ref, tol)
+    return y
+
+
+@cuda
+@pytest.mark.parametrize("case", FORCED, ids=forced_id)
+def test_gpu_epilogue_forced_paths(case):
+    # every option and their combination on every forced kernel path
+    shape, groups, dtype, layout, kernel, n = case
+    x, _, force = forced_input(case)
+    if kernel == "registers":  # it takes no epilogue (kernels/epilogue.cuh): refused, not bypassed
+        with pytest.raises(ValueError, match="the registers kernel takes no epilogue"):
+            gn.groupnorm_cuda(x, None, None, groups, kernel=kernel, activation="silu")
+        return
+    before = x.clone()
+    for _, options in EPILOGUES:
+        w, b = affine(shape[1], dtype, "cuda", "both")
+        check_epilogue(x, groups, w, b, epilogue_tensors(x, options), kernel=kernel, **force)
+    assert torch.equal(x, before), "input was modified"
+    # the statistics do not depend on the epilogue
+    args = epilogue_tensors(x, dict(EPILOGUES)["all"])
+    epilogue = gn._check_epilogue("test", x, args["scale"], args["shift"], args["activation"],
+                                  args["residual"])
+    ext = gn.load()
+    plain = ext.forward(x, w, b, groups, 1e-5, kernel, force.get("team", 0), force.get("lag", 0))
+    fused = ext.forward_fused(x, w, b, groups, 1e-5, kernel, force.get("team", 0),
+                              force.get("lag", 0), epilogue.scale, epilogue.shift,
+                              epilogue.residual, epilogue.codes(), epilogue.slope())
+    assert torch.equal(plain[1], fused[1]) and torch.equal(plain[2], fused[2])
+
+
+@cuda
+def test_gpu_epilogue_residual_of_other_strides_and_alignment():
+    w, b = affine(32, torch.float16, "cuda", "both")
+    for layout, other in (("contiguous", "channels_last"), ("channels_last", "contiguous")):
+        x = make_input((2, 32, 12, 10), torch.float16, layout, "cuda")
+        residual = make_input((2, 32, 12, 10), torch.float16, other, "cuda")
+        assert residual.stride() != x.stride()
+        check_epilogue(x, 4, w, b, dict(residual=residual, activation="gelu"))  # copied first
+        check_epilogue(x, 4, w, b, dict(residual=x, activation="relu"))  # the input itself
+    x = make_input((2, 32, 12, 10), torch.float16, "contiguous", "cuda")
+    sliced = torch.randn(2, 64, 12, 10, device="cuda").half()[:, ::2]  # neither layout
+    check_epilogue(x, 4, w, b, dict(residual=sliced))
+    flat = torch.randn(1 + x.numel(), device="cuda").half()
+    misaligned = flat[1:].view(x.shape)  # 2 bytes off: the vectors narrow for it
+    assert misaligned.data_ptr() % 16 != 0
+    for kernel in ("auto", "contiguous", "reference"):
+        check_epilogue(x, 4, w, b, dict(residual=misaligned, shift=torch.randn(2, 32, device="cuda").half()),
+                       kernel=kernel)
+
+
+@cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_epilogue_nan_and_inf_propagate_like_torch(layout):
+    x = make_input((2, 16, 6, 6), torch.float32, layout, "cuda")
+    x[0, 1, 2, 3] = float("nan")
+    residual = torch.randn_like(x)
+    residual[1, 9, 0, 0] = float("inf")
+    residual[1, 3, 1, 1] = float("-inf")
+    scale = torch.randn(2, 16, device="cuda")
+    scale[1, 5] = float("nan")
+    for activation in ACTIVATIONS:
+        args = dict(scale=scale, activation=activation, residual=residual)
+        y = gn.groupnorm_cuda(x, None, None, 4, **args)
+        expected = apply_epilogue(tools.torch_group_norm(x, 4, None, None, 1e-5), **args)
+        assert torch.equal(y.isnan(), expected.isnan()), activation
+        finite = expected.isfinite()
+        assert torch.equal(y[~finite & ~expected.isnan()], expected[~finite & ~expected.isnan()])
+        torch.testing.assert_close(y[finite], expected[finite], rtol=1e-5, atol=1e-5)
+
+
+@cuda
+def test_gpu_epilogue_bad_arguments():
+    x = torch.randn(2, 6, 4, device="cuda")
+    s = torch.randn(2, 6, device="cuda")
+    ext = gn.load()
+    cases = [
+        (lambda: gn.group_norm(x, 3, scale=s.double()), TypeError, "scale dtype must be the input's"),
+        (lambda: gn.groupnorm_cuda(x, None, None, 3, shift=s.cpu()), ValueError, "input's device"),
+        (lambda: gn.group_norm(x, 3, residual=torch.randn(2, 6, 5, device="cuda")), ValueError,
+         "residual must have the input's shape"),
+        (lambda: gn.group_norm(x, 3, scale=torch.randn(2, 6, 4, device="cuda")), ValueError,
+         "scale must have shape (N, C) = (2, 6)"),
+        (lambda: gn.group_norm(x, 3, activation="swish"), ValueError, "unknown activation"),
+        (lambda: gn.group_norm(x.detach().requires_grad_(), 3, activation="silu"), ValueError,
+         "fused backward"),
+        (lambda: gn.GroupNorm(3, 6, activation="silu").cuda()(x), ValueError, "fused backward"),
+        # the extension's own checks
+        (lambda: ext.forward_fused(x, None, None, 3, 1e-5, "auto", 0, 0, None, None, None, [9], 0.01),
+         ValueError, "unknown activation code 9"),
+        (lambda: ext.forward_fused(x, None, None, 3, 1e-5, "auto", 0, 0, None, None, None, [0] * 5,
+                                   0.01), ValueError, "at most 4 activations"),
+        (lambda: ext.forward_fused(x, None, None, 3, 1e-5, "auto", 0, 0, s.t(), None, None, [], 0.01),
+         ValueError, "scale must have shape [2, 6]"),
+        (lambda: ext.forward_fused(x, None, None, 3, 1e-5, "auto", 0, 0, None, s.half(), None, [],
+                                   0.01), TypeError, "shift has dtype Half"),
+        (lambda: ext.forward_fused(x, None, None, 3, 1e-5, "auto", 0, 0, None, None, x.cpu(), [],
+                                   0.01), ValueError, "residual is on cpu"),
+        (lambda: ext.forward_fused(x, None, None, 3, 1e-5, "auto", 0, 0, None, None, None, [4],
+                                   float("nan")), ValueError, "slope must be finite"),
+    ]
+    raise_each(cases)
+
+
+@cuda
+def test_gpu_epilogue_under_torch_compile_raises():
+    x = torch.randn(2, 16, 6, 6, device="cuda")
+    layer = gn.GroupNorm(4, 16, activation="silu").cuda()
+    for fn in (lambda t: gn.group_norm(t, 4, activation="silu"), layer):
+        for fullgraph in (True, False):
+            with torch.no_grad(), pytest.raises(Exception, match="not yet supported under torch.compile"):
+                torch.compile(fn, fullgraph=fullgraph)(x)
+            torch._dynamo.reset()
+
+
+@cuda
+def test_gpu_epilogue_takes_the_cuda_path_and_module_and_autocast(monkeypatch):
+    forbid_torch_group_norm(monkeypatch)
+    x = make_input((2, 32, 9, 9), torch.float16, "channels_last", "cuda")
+    s, t = torch.randn(2, 32, 1, 1, device="cuda").half(), torch.randn(2, 32, device="cuda").half()
+    with torch.no_grad():
+        ours = gn.group_norm(x, 8, scale=s, shift=t, activation="mish")
+        check_epilogue(x, 8, None, None, dict(scale=s, shift=t, activation="mish"))
+        torch.testing.assert_close(ours, gn.groupnorm_cuda(x, None, None, 8, scale=s, shift=t,
+                                                           activation="mish"), rtol=0, atol=0)
+        layer = gn.GroupNorm(8, 32, activation=("leaky_relu", 0.1)).cuda().half()
+        expected = gn.groupnorm_cuda(x, layer.weight, layer.bias, 8, activation=("leaky_relu", 0.1))
+        torch.testing.assert_close(layer(x), expected, rtol=0, atol=0)
+        with torch.autocast("cuda", dtype=torch.float16):  # float32, as torch's group_norm
+            y = gn.group_norm(x, 8, scale=s, activation="silu")
+        assert y.dtype == torch.float32
+        torch.testing.assert_close(y, gn.groupnorm_cuda(x.float(), None, None, 8, scale=s.float(),
+                                                        activation="silu"), rtol=0, atol=0)
