@@ -54,11 +54,14 @@ _EMBEDDED_TOOLS = None  # replaced by `bundle`
 
 _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in globals() else None
 # The extension is compiled as separate translation units, in parallel: the
-# host code, the Python module, and each kernel family once per dtype.
+# host code, the Python module, and each kernel family once per dtype (the
+# large forward families once without the epilogue and once with it).
 _HOST_UNITS = ["device.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp", "library.cpp",
                "bindings.cpp"]
 _KERNEL_UNITS = ["launch_forward_small.cu", "launch_forward_team.cu", "launch_forward_stream.cu",
                  "launch_forward_stream_channels_last.cu", "launch_backward.cu"]
+_EPILOGUE_UNITS = {"launch_forward_team.cu", "launch_forward_stream.cu",
+                   "launch_forward_stream_channels_last.cu"}
 _UNIT_DTYPES = {"float": "float", "double": "double", "half": "c10::Half",
                 "bfloat16": "c10::BFloat16"}
 # Everything but the Python module as one translation unit, and the
@@ -125,16 +128,27 @@ def _arch_list():
     return _DEFAULT_ARCH
 
 
-def _dtype_unit(family, type_name):
-    """The text of a kernel family's translation unit for one dtype."""
-    return f"#define GROUPNORM_DTYPES(X) X({type_name})\n#include \"{family}\"\n"
+def _dtype_units(family):
+    """{file stem: text} of a kernel family's translation units: one per
+    dtype, and per epilogue switch for the families in _EPILOGUE_UNITS."""
+    units = {}
+    for dtype, type_name in _UNIT_DTYPES.items():
+        head = f"#define GROUPNORM_DTYPES(X) X({type_name})\n"
+        include = f"#include \"{family}\"\n"
+        if family in _EPILOGUE_UNITS:
+            for suffix, fused in (("", "false"), ("_epilogue", "true")):
+                epilogues = f"#define GROUPNORM_EPILOGUES(X, T) X(T, {fused})\n"
+                units[f"{family[:-3]}_{dtype}{suffix}"] = head + epilogues + include
+        else:
+            units[f"{family[:-3]}_{dtype}"] = head + include
+    return units
 
 
 def extension_name(arch=None):
     """Name of the compiled extension: a hash of everything that shapes the
     binary (sources, the units they are compiled as, flags, versions), so an
     edited kernel can never load a stale build."""
-    units = [*_HOST_UNITS, *(_dtype_unit(f, t) for f in _KERNEL_UNITS for t in _UNIT_DTYPES.values())]
+    units = [*_HOST_UNITS, *(text for f in _KERNEL_UNITS for text in _dtype_units(f).values())]
     key = "\0".join([*(name + "\0" + _read_source(name) for name in _kernel_files()), *units,
                      " ".join(_CXX_FLAGS + _CUDA_FLAGS), arch or _arch_list(), torch.__version__,
                      str(torch.version.cuda), sys.version.split()[0]])
@@ -215,9 +229,9 @@ def _write_sources(build_dir):
         write(os.path.join(src, name), _read_source(name))
     units = [os.path.join(src, name) for name in _HOST_UNITS]
     for family in _KERNEL_UNITS:
-        for dtype, type_name in _UNIT_DTYPES.items():
-            path = os.path.join(build_dir, f"{family[:-3]}_{dtype}.cu")
-            write(path, _dtype_unit(family, type_name))
+        for stem, text in _dtype_units(family).items():
+            path = os.path.join(build_dir, f"{stem}.cu")
+            write(path, text)
             units.append(path)
     return units
 

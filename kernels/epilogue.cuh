@@ -3,11 +3,11 @@
 //
 // The forward epilogue (issue 24) is
 //   y = GN(x) * gamma + beta;  y = y * (1 + scale) + shift;  y = act(y);  y = y + residual
-// with scale, shift per (sample, channel) and residual in y's layout. It is
-// a run-time value (Epilogue), passed by value to the forward kernels, not a
-// template parameter: one instantiation per kernel serves every option, so
-// the build does not multiply, and the plain GroupNorm pays only uniform
-// branches on null pointers and a zero count.
+// with scale, shift per (sample, channel) and residual in y's layout. Each
+// forward kernel takes it as a compile-time switch (kFused) and, when on, a
+// run-time value (Epilogue<scalar_t, true>): the plain instantiation compiles
+// to the code it had before the epilogue existed, and one fused
+// instantiation a kernel serves every option.
 //  - scale and shift fold into the per-channel affine the kernels already
 //    compute (channel_affine): rstd * gamma * (1 + s) and beta * (1 + s) + t,
 //    so they cost nothing per element.
@@ -17,8 +17,8 @@
 //  - the residual is read at the element offset y is written at (same
 //    layout), in the store's vector width, and added last.
 // The registers kernel takes no epilogue: with the epilogue's code it needed
-// up to 73 registers instead of 40 (fewer CTAs an SM for the plain GroupNorm
-// too); the planner gives calls with an epilogue another kernel.
+// up to 73 registers instead of 40; the planner gives calls with an epilogue
+// another kernel.
 #pragma once
 
 #include <cmath>
@@ -28,8 +28,12 @@
 
 namespace groupnorm {
 
+// The epilogue of a plain GroupNorm: nothing.
+template <typename scalar_t, bool kFused>
+struct Epilogue {};
+
 template <typename scalar_t>
-struct Epilogue {
+struct Epilogue<scalar_t, true> {
   using A = acc_t<scalar_t>;
   const scalar_t* scale;     // [N, C] or nullptr: y * (1 + scale)
   const scalar_t* shift;     // [N, C] or nullptr: + shift
@@ -61,18 +65,20 @@ __device__ __forceinline__ ChannelAffine<A> channel_affine(int64_t c, A rstd,
 // Channel c of sample n with the epilogue's scale and shift: rstd * gamma[c]
 // * (1 + scale[n, c]) and beta[c] * (1 + scale[n, c]) + shift[n, c]; one
 // test of the pointers, nothing more without them.
-template <typename scalar_t, typename A>
+template <typename scalar_t, typename A, bool kFused>
 __device__ __forceinline__ ChannelAffine<A> channel_affine(int64_t n, int64_t c, A rstd,
                                                            const scalar_t* __restrict__ gamma,
                                                            const scalar_t* __restrict__ beta,
-                                                           const Epilogue<scalar_t>& ep) {
+                                                           const Epilogue<scalar_t, kFused>& ep) {
   ChannelAffine<A> f = channel_affine(c, rstd, gamma, beta);
-  if (ep.scale != nullptr || ep.shift != nullptr) {
-    const int64_t nc = n * ep.C + c;
-    const A s = ep.scale != nullptr ? A(1) + static_cast<A>(ep.scale[nc]) : A(1);
-    const A t = ep.shift != nullptr ? static_cast<A>(ep.shift[nc]) : A(0);
-    f.scale *= s;
-    f.shift = f.shift * s + t;
+  if constexpr (kFused) {
+    if (ep.scale != nullptr || ep.shift != nullptr) {
+      const int64_t nc = n * ep.C + c;
+      const A s = ep.scale != nullptr ? A(1) + static_cast<A>(ep.scale[nc]) : A(1);
+      const A t = ep.shift != nullptr ? static_cast<A>(ep.shift[nc]) : A(0);
+      f.scale *= s;
+      f.shift = f.shift * s + t;
+    }
   }
   return f;
 }
@@ -163,19 +169,21 @@ __device__ __forceinline__ Vec<scalar_t, V> load_residual(const scalar_t* p) {
 
 // Writes y[at, at + V) from the affine values v: the activation chain, the
 // residual at the same offset, then the rounding to scalar_t.
-template <typename scalar_t, int V>
+template <typename scalar_t, int V, bool kFused>
 __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t at,
                                              acc_t<scalar_t> (&v)[V],
-                                             const Epilogue<scalar_t>& ep) {
+                                             const Epilogue<scalar_t, kFused>& ep) {
   using A = acc_t<scalar_t>;
-  if (ep.activations > 0) {
+  if constexpr (kFused) {
+    if (ep.activations > 0) {
 #pragma unroll
-    for (int e = 0; e < V; ++e) v[e] = activate(v[e], ep.chain, ep.activations, ep.slope);
-  }
-  if (ep.residual != nullptr) {
-    const Vec<scalar_t, V> r = load_residual<scalar_t, V>(ep.residual + at);
+      for (int e = 0; e < V; ++e) v[e] = activate(v[e], ep.chain, ep.activations, ep.slope);
+    }
+    if (ep.residual != nullptr) {
+      const Vec<scalar_t, V> r = load_residual<scalar_t, V>(ep.residual + at);
 #pragma unroll
-    for (int e = 0; e < V; ++e) v[e] += static_cast<A>(r.val[e]);
+      for (int e = 0; e < V; ++e) v[e] += static_cast<A>(r.val[e]);
+    }
   }
   Vec<scalar_t, V> out;
 #pragma unroll
@@ -185,10 +193,11 @@ __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t a
 
 // A vector of one channel (the contiguous layout) normalised, then the
 // epilogue, stored at y + at.
-template <typename scalar_t, int V, typename A>
+template <typename scalar_t, int V, typename A, bool kFused>
 __device__ __forceinline__ void normalise_store(scalar_t* __restrict__ y, int64_t at,
                                                 const Vec<scalar_t, V>& v, A mean,
-                                                ChannelAffine<A> f, const Epilogue<scalar_t>& ep) {
+                                                ChannelAffine<A> f,
+                                                const Epilogue<scalar_t, kFused>& ep) {
   A out[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) out[e] = affine_value(v.val[e], mean, f);

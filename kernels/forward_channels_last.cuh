@@ -31,19 +31,19 @@ constexpr int kRowUnroll = 4;  // independent row loads in flight per thread
 __device__ __forceinline__ float reciprocal(float n) { return __frcp_rn(n); }
 __device__ __forceinline__ double reciprocal(double n) { return __drcp_rn(n); }
 
-template <typename scalar_t, int V>
+template <typename scalar_t, int V, bool kFused>
 __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
-    groupnorm_forward_channels_last_kernel(const scalar_t* __restrict__ x,      // [N, HxW, C]
-                                           const scalar_t* __restrict__ gamma,  // [C] or nullptr
-                                           const scalar_t* __restrict__ beta,   // [C] or nullptr
-                                           scalar_t* __restrict__ y,            // [N, HxW, C]
-                                           acc_t<scalar_t>* __restrict__ mean,  // [N, G]
-                                           acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
-                                           const Epilogue<scalar_t> ep,  // scale, shift [N, ldc]
-                                           TeamWorkspace<acc_t<scalar_t>> ws, int64_t units,
-                                           int64_t HxW, int ldc, int blocks, int C, int G, int D,
-                                           int rows_per_step, int T, int64_t rows_per_slice,
-                                           int64_t kept, acc_t<scalar_t> eps) {
+    groupnorm_forward_channels_last_kernel(
+        const scalar_t* __restrict__ x,       // [N, HxW, C]
+        const scalar_t* __restrict__ gamma,   // [C] or nullptr
+        const scalar_t* __restrict__ beta,    // [C] or nullptr
+        scalar_t* __restrict__ y,             // [N, HxW, C]
+        acc_t<scalar_t>* __restrict__ mean,   // [N, G]
+        acc_t<scalar_t>* __restrict__ rstd,   // [N, G]
+        const Epilogue<scalar_t, kFused> ep,  // scale, shift [N, ldc]
+        TeamWorkspace<acc_t<scalar_t>> ws, int64_t units, int64_t HxW, int ldc, int blocks, int C,
+        int G, int D, int rows_per_step, int T, int64_t rows_per_slice, int64_t kept,
+        acc_t<scalar_t> eps) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   extern __shared__ __align__(16) unsigned char smem[];

@@ -19,15 +19,15 @@ namespace groupnorm {
 
 constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
 
-template <typename scalar_t, int V>
+template <typename scalar_t, int V, bool kFused>
 __global__ void __launch_bounds__(kContiguousThreads, 4)
-    groupnorm_forward_contiguous_kernel(const scalar_t* __restrict__ x,      // [N * G, L]
-                                        const scalar_t* __restrict__ gamma,  // [C] or nullptr
-                                        const scalar_t* __restrict__ beta,   // [C] or nullptr
-                                        scalar_t* __restrict__ y,            // [N * G, L]
-                                        acc_t<scalar_t>* __restrict__ mean,  // [N * G]
-                                        acc_t<scalar_t>* __restrict__ rstd,  // [N * G]
-                                        const Epilogue<scalar_t> ep,         // scale, shift [N, C]
+    groupnorm_forward_contiguous_kernel(const scalar_t* __restrict__ x,       // [N * G, L]
+                                        const scalar_t* __restrict__ gamma,   // [C] or nullptr
+                                        const scalar_t* __restrict__ beta,    // [C] or nullptr
+                                        scalar_t* __restrict__ y,             // [N * G, L]
+                                        acc_t<scalar_t>* __restrict__ mean,   // [N * G]
+                                        acc_t<scalar_t>* __restrict__ rstd,   // [N * G]
+                                        const Epilogue<scalar_t, kFused> ep,  // scale, shift [N, C]
                                         TeamWorkspace<acc_t<scalar_t>> ws, int64_t units, int64_t L,
                                         int64_t HxW, int G, int D, int T, int64_t slice,
                                         int64_t kept, FastDivider hxw_div, bool fast_div,

@@ -10,15 +10,15 @@
 
 namespace groupnorm {
 
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 __global__ void __launch_bounds__(kReferenceThreads) groupnorm_forward_reference_kernel(
-    const scalar_t* __restrict__ x,      // [N, C, HxW] with strides below
-    const scalar_t* __restrict__ gamma,  // [C] or nullptr
-    const scalar_t* __restrict__ beta,   // [C] or nullptr
-    scalar_t* __restrict__ y,            // same strides as x
-    acc_t<scalar_t>* __restrict__ mean,  // [N, G]
-    acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
-    const Epilogue<scalar_t> ep,         // scale, shift [N, C]; residual with y's strides
+    const scalar_t* __restrict__ x,       // [N, C, HxW] with strides below
+    const scalar_t* __restrict__ gamma,   // [C] or nullptr
+    const scalar_t* __restrict__ beta,    // [C] or nullptr
+    scalar_t* __restrict__ y,             // same strides as x
+    acc_t<scalar_t>* __restrict__ mean,   // [N, G]
+    acc_t<scalar_t>* __restrict__ rstd,   // [N, G]
+    const Epilogue<scalar_t, kFused> ep,  // scale, shift [N, C]; residual with y's strides
     int64_t N, int64_t HxW, int G, int D, int64_t stride_n, int64_t stride_c, int64_t stride_s,
     acc_t<scalar_t> eps) {
   using A = acc_t<scalar_t>;

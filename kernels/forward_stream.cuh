@@ -36,7 +36,7 @@ namespace groupnorm {
 
 // kEachMerges is a template argument: as a run-time flag, the unused merge
 // costs the other mode registers.
-template <typename scalar_t, int V, bool kEachMerges>
+template <typename scalar_t, int V, bool kEachMerges, bool kFused>
 __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
     groupnorm_stream_kernel(const scalar_t* __restrict__ x,         // [units, L]
                             const scalar_t* __restrict__ gamma,     // [C] or nullptr
@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
                             scalar_t* __restrict__ y,               // [units, L]
                             acc_t<scalar_t>* __restrict__ mean,     // [units]
                             acc_t<scalar_t>* __restrict__ rstd,     // [units]
-                            const Epilogue<scalar_t> ep,            // scale, shift [N, C]
+                            const Epilogue<scalar_t, kFused> ep,    // scale, shift [N, C]
                             acc_t<scalar_t>* __restrict__ partial,  // [slots, pieces, 2]
                             StreamWorkspace ws, int64_t L, int64_t HxW, int G, int D,
                             int64_t pieces, int64_t slots, StreamOrder order, FastDivider hxw_div,

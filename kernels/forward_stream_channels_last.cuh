@@ -94,7 +94,7 @@ __device__ __forceinline__ void merge_chunk(const A* piece_partial,  // [slots, 
   }
 }
 
-template <typename scalar_t, int V, bool kEachMerges>
+template <typename scalar_t, int V, bool kEachMerges, bool kFused>
 __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
     groupnorm_stream_channels_last_kernel(
         const scalar_t* __restrict__ x,               // [N, HxW, C]
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         scalar_t* __restrict__ y,                     // [N, HxW, C]
         acc_t<scalar_t>* __restrict__ mean,           // [N * blocks, G] = [N, G of the input]
         acc_t<scalar_t>* __restrict__ rstd,           // [N * blocks, G]
-        const Epilogue<scalar_t> ep,                  // scale, shift [N, C]
+        const Epilogue<scalar_t, kFused> ep,          // scale, shift [N, C]
         acc_t<scalar_t>* __restrict__ piece_partial,  // [slots, pieces, G, 2]
         acc_t<scalar_t>* __restrict__ chunk_partial,  // [slots, chunks, G, 2]
         StreamWorkspace ws, int64_t HxW, int C, int blocks, int G, int D, int rows_per_step,

@@ -61,7 +61,7 @@ struct TypedForward {
   A* mean;
   A* rstd;
   A eps;
-  Epilogue<scalar_t> epilogue;
+  Epilogue<scalar_t, true> epilogue;
   explicit TypedForward(const ForwardArgs& a)
       : x(static_cast<const scalar_t*>(a.x)),
         gamma(static_cast<const scalar_t*>(a.gamma)),
@@ -79,6 +79,14 @@ struct TypedForward {
     epilogue.activations = e.activations;
     epilogue.chain = 0;
     for (int i = 0; i < e.activations; ++i) epilogue.chain |= uint32_t(e.chain[i]) << (8 * i);
+  }
+  // The epilogue argument of a kernel instantiated with kFused.
+  template <bool kFused>
+  Epilogue<scalar_t, kFused> epilogue_for() const {
+    if constexpr (kFused)
+      return epilogue;
+    else
+      return {};
   }
 };
 
@@ -130,6 +138,11 @@ void with_vec(int v, F&& f) {
 // compile them in parallel) and defines GROUPNORM_DTYPES to one of them.
 #ifndef GROUPNORM_DTYPES
 #define GROUPNORM_DTYPES(X) X(float) X(double) X(c10::Half) X(c10::BFloat16)
+#endif
+// Likewise the forward families' kernels with and without the epilogue
+// (kFused): X(T, false) X(T, true), or one of them in a unit of its own.
+#ifndef GROUPNORM_EPILOGUES
+#define GROUPNORM_EPILOGUES(X, T) X(T, false) X(T, true)
 #endif
 
 }  // namespace groupnorm

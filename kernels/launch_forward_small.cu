@@ -24,15 +24,16 @@ const void* registers_kernel(int vec, int items) {
   return kernel;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 void launch_reference(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream) {
   const int64_t stride_c = p.channels_last ? 1 : p.HxW;
   const int64_t stride_s = p.channels_last ? p.C : 1;
   const TypedForward<scalar_t> f(a);
-  launch_kernel(&groupnorm_forward_reference_kernel<scalar_t>, {plan.grid, plan.threads}, stream,
-                f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.epilogue, p.N, p.HxW, p.G, int(p.D()),
-                p.C * p.HxW, stride_c, stride_s, f.eps);
+  launch_kernel(&groupnorm_forward_reference_kernel<scalar_t, kFused>, {plan.grid, plan.threads},
+                stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
+                f.template epilogue_for<kFused>(), p.N, p.HxW, p.G, int(p.D()), p.C * p.HxW,
+                stride_c, stride_s, f.eps);
 }
 
 // No epilogue: the planner gives a call with one another kernel.
@@ -50,11 +51,14 @@ void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardAr
   });
 }
 
-#define GROUPNORM_INSTANTIATE_SMALL(T)                                                      \
-  template const void* registers_kernel<T>(int, int);                                       \
-  template void launch_reference<T>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
-                                    cudaStream_t);                                          \
-  template void launch_registers<T>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
+// The reference kernel with and without the epilogue in one unit: it is small.
+#define GROUPNORM_INSTANTIATE_SMALL(T)                                                             \
+  template const void* registers_kernel<T>(int, int);                                              \
+  template void launch_reference<T, false>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
+                                           cudaStream_t);                                          \
+  template void launch_reference<T, true>(const ForwardPlan&, const Problem&, const ForwardArgs&,  \
+                                          cudaStream_t);                                           \
+  template void launch_registers<T>(const ForwardPlan&, const Problem&, const ForwardArgs&,        \
                                     cudaStream_t);
 GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_SMALL)
 #undef GROUPNORM_INSTANTIATE_SMALL

@@ -6,17 +6,17 @@
 
 namespace groupnorm {
 
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 const void* stream_kernel(int vec) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
     kernel = reinterpret_cast<const void*>(
-        &groupnorm_stream_kernel<scalar_t, decltype(v)::value, false>);
+        &groupnorm_stream_kernel<scalar_t, decltype(v)::value, false, kFused>);
   });
   return kernel;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                    WorkspaceAllocator& alloc, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
@@ -34,19 +34,22 @@ void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs&
   const FastDivider hxw_div(fast_div ? uint32_t(p.HxW) : 1u);
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
-    launch_kernel(s.each_merges ? &groupnorm_stream_kernel<scalar_t, V, true>
-                                : &groupnorm_stream_kernel<scalar_t, V, false>,
-                  shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.epilogue,
-                  reinterpret_cast<A*>(base + partial_at), counters.bind(base), L, p.HxW, p.G, D,
-                  s.pieces, s.slots, order, hxw_div, fast_div, f.eps);
+    launch_kernel(s.each_merges ? &groupnorm_stream_kernel<scalar_t, V, true, kFused>
+                                : &groupnorm_stream_kernel<scalar_t, V, false, kFused>,
+                  shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
+                  f.template epilogue_for<kFused>(), reinterpret_cast<A*>(base + partial_at),
+                  counters.bind(base), L, p.HxW, p.G, D, s.pieces, s.slots, order, hxw_div,
+                  fast_div, f.eps);
   });
 }
 
-#define GROUPNORM_INSTANTIATE_STREAM(T)                                                  \
-  template const void* stream_kernel<T>(int);                                            \
-  template void launch_stream<T>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
-                                 WorkspaceAllocator&, cudaStream_t);
-GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_STREAM)
+#define GROUPNORM_INSTANTIATE_STREAM(T, F)                                                  \
+  template const void* stream_kernel<T, F>(int);                                            \
+  template void launch_stream<T, F>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
+                                    WorkspaceAllocator&, cudaStream_t);
+#define GROUPNORM_INSTANTIATE_STREAMS(T) GROUPNORM_EPILOGUES(GROUPNORM_INSTANTIATE_STREAM, T)
+GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_STREAMS)
+#undef GROUPNORM_INSTANTIATE_STREAMS
 #undef GROUPNORM_INSTANTIATE_STREAM
 
 }  // namespace groupnorm

@@ -6,17 +6,17 @@
 
 namespace groupnorm {
 
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 const void* stream_channels_last_kernel(int vec) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
     kernel = reinterpret_cast<const void*>(
-        &groupnorm_stream_channels_last_kernel<scalar_t, decltype(v)::value, false>);
+        &groupnorm_stream_channels_last_kernel<scalar_t, decltype(v)::value, false, kFused>);
   });
   return kernel;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                                  WorkspaceAllocator& alloc, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
@@ -36,19 +36,23 @@ void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, cons
   const auto chunk_partial = reinterpret_cast<A*>(base + chunk_at);
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
-    launch_kernel(s.each_merges ? &groupnorm_stream_channels_last_kernel<scalar_t, V, true>
-                                : &groupnorm_stream_channels_last_kernel<scalar_t, V, false>,
-                  shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.epilogue,
-                  piece_partial, chunk_partial, counters.bind(base), p.HxW, int(p.C), s.blocks,
-                  unit_groups, D, s.rows_per_step, s.pieces, s.chunk, s.slots, order, f.eps);
+    launch_kernel(
+        s.each_merges ? &groupnorm_stream_channels_last_kernel<scalar_t, V, true, kFused>
+                      : &groupnorm_stream_channels_last_kernel<scalar_t, V, false, kFused>,
+        shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.template epilogue_for<kFused>(),
+        piece_partial, chunk_partial, counters.bind(base), p.HxW, int(p.C), s.blocks, unit_groups,
+        D, s.rows_per_step, s.pieces, s.chunk, s.slots, order, f.eps);
   });
 }
 
-#define GROUPNORM_INSTANTIATE_STREAM_ROWS(T)                \
-  template const void* stream_channels_last_kernel<T>(int); \
-  template void launch_stream_channels_last<T>(             \
+#define GROUPNORM_INSTANTIATE_STREAM_ROWS(T, F)                \
+  template const void* stream_channels_last_kernel<T, F>(int); \
+  template void launch_stream_channels_last<T, F>(             \
       const ForwardPlan&, const Problem&, const ForwardArgs&, WorkspaceAllocator&, cudaStream_t);
-GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_STREAM_ROWS)
+#define GROUPNORM_INSTANTIATE_STREAMS_ROWS(T) \
+  GROUPNORM_EPILOGUES(GROUPNORM_INSTANTIATE_STREAM_ROWS, T)
+GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_STREAMS_ROWS)
+#undef GROUPNORM_INSTANTIATE_STREAMS_ROWS
 #undef GROUPNORM_INSTANTIATE_STREAM_ROWS
 
 }  // namespace groupnorm

@@ -8,15 +8,15 @@
 
 namespace groupnorm {
 
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 const void* team_kernel(bool channels_last, int vec) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
-    kernel =
-        channels_last
-            ? reinterpret_cast<const void*>(&groupnorm_forward_channels_last_kernel<scalar_t, V>)
-            : reinterpret_cast<const void*>(&groupnorm_forward_contiguous_kernel<scalar_t, V>);
+    kernel = channels_last ? reinterpret_cast<const void*>(
+                                 &groupnorm_forward_channels_last_kernel<scalar_t, V, kFused>)
+                           : reinterpret_cast<const void*>(
+                                 &groupnorm_forward_contiguous_kernel<scalar_t, V, kFused>);
   });
   return kernel;
 }
@@ -42,7 +42,7 @@ TeamWorkspace<A> team_workspace(const ForwardPlan& plan, int groups, WorkspaceAl
   return ws;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                  WorkspaceAllocator& alloc, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
@@ -55,10 +55,11 @@ void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a
     const int unit_groups = p.G / t.blocks;
     const auto ws = team_workspace<A>(plan, unit_groups, alloc);
     with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
-      launch_kernel(&groupnorm_forward_channels_last_kernel<scalar_t, decltype(v)::value>, shape,
-                    stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.epilogue, ws, plan.units,
-                    p.HxW, int(p.C), t.blocks, int(p.C / t.blocks), unit_groups, D, t.rows_per_step,
-                    t.team, t.slice, t.kept, f.eps);
+      launch_kernel(&groupnorm_forward_channels_last_kernel<scalar_t, decltype(v)::value, kFused>,
+                    shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
+                    f.template epilogue_for<kFused>(), ws, plan.units, p.HxW, int(p.C), t.blocks,
+                    int(p.C / t.blocks), unit_groups, D, t.rows_per_step, t.team, t.slice, t.kept,
+                    f.eps);
     });
     return;
   }
@@ -67,18 +68,20 @@ void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a
   const bool fast_div = p.HxW + slice_elems < (int64_t(1) << 31);
   const FastDivider hxw_div(fast_div ? uint32_t(p.HxW) : 1u);
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
-    launch_kernel(&groupnorm_forward_contiguous_kernel<scalar_t, decltype(v)::value>, shape, stream,
-                  f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.epilogue, ws, plan.units,
-                  int64_t(D) * p.HxW, p.HxW, p.G, D, t.team, slice_elems, t.kept, hxw_div, fast_div,
-                  f.eps);
+    launch_kernel(&groupnorm_forward_contiguous_kernel<scalar_t, decltype(v)::value, kFused>, shape,
+                  stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
+                  f.template epilogue_for<kFused>(), ws, plan.units, int64_t(D) * p.HxW, p.HxW, p.G,
+                  D, t.team, slice_elems, t.kept, hxw_div, fast_div, f.eps);
   });
 }
 
-#define GROUPNORM_INSTANTIATE_TEAM(T)                                                  \
-  template const void* team_kernel<T>(bool, int);                                      \
-  template void launch_team<T>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
-                               WorkspaceAllocator&, cudaStream_t);
-GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_TEAM)
+#define GROUPNORM_INSTANTIATE_TEAM(T, F)                                                  \
+  template const void* team_kernel<T, F>(bool, int);                                      \
+  template void launch_team<T, F>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
+                                  WorkspaceAllocator&, cudaStream_t);
+#define GROUPNORM_INSTANTIATE_TEAMS(T) GROUPNORM_EPILOGUES(GROUPNORM_INSTANTIATE_TEAM, T)
+GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_TEAMS)
+#undef GROUPNORM_INSTANTIATE_TEAMS
 #undef GROUPNORM_INSTANTIATE_TEAM
 
 }  // namespace groupnorm

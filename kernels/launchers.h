@@ -8,6 +8,8 @@
 #include <c10/util/Half.h>
 #include <cuda_runtime_api.h>
 
+#include <type_traits>
+
 #include "activation.h"
 #include "layout.h"
 #include "plan.h"
@@ -58,30 +60,31 @@ struct BackwardArgs {
 
 // Kernel symbols for the occupancy queries. Either merge of a stream kernel
 // has the same launch bounds and shared memory, so the same residency.
-template <typename scalar_t>
+// kFused: the forward kernel with the epilogue (epilogue.cuh).
+template <typename scalar_t, bool kFused>
 const void* team_kernel(bool channels_last, int vec);
 template <typename scalar_t>
 const void* registers_kernel(int vec, int items);
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 const void* stream_kernel(int vec);
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 const void* stream_channels_last_kernel(int vec);
 template <typename scalar_t>
 const void* backward_stream_kernel(bool channels_last, int vec);
 
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 void launch_reference(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream);
 template <typename scalar_t>
 void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream);
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                  WorkspaceAllocator& workspace, cudaStream_t stream);
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                    WorkspaceAllocator& workspace, cudaStream_t stream);
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                                  WorkspaceAllocator& workspace, cudaStream_t stream);
 template <typename scalar_t>
@@ -109,6 +112,15 @@ decltype(auto) with_dtype(c10::ScalarType dtype, F&& f) {
     default:
       return f(TypeTag<float>{});
   }
+}
+
+// f(TypeTag<scalar_t>{}, std::bool_constant<kFused>{}) for a forward
+// problem: its dtype, and whether it has an epilogue.
+template <typename F>
+decltype(auto) with_forward_types(const Problem& p, F&& f) {
+  return with_dtype(p.dtype, [&](auto tag) {
+    return p.epilogue ? f(tag, std::true_type{}) : f(tag, std::false_type{});
+  });
 }
 
 }  // namespace groupnorm

@@ -248,21 +248,25 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
                          rstd.data_ptr(),
                          eps,
                          epilogue.args};
-  with_dtype(c.problem.dtype, [&](auto tag) {
+  with_forward_types(c.problem, [&](auto tag, auto fused) {
     using scalar_t = typename decltype(tag)::type;
+    constexpr bool kFused = decltype(fused)::value;
     switch (plan.kernel) {
       case ForwardKernel::Reference:
-        return launch_reference<scalar_t>(plan, c.problem, args, stream);
-      case ForwardKernel::Registers:
-        return launch_registers<scalar_t>(plan, c.problem, args, stream);
+        return launch_reference<scalar_t, kFused>(plan, c.problem, args, stream);
+      case ForwardKernel::Registers:  // never planned with an epilogue
+        if constexpr (!kFused) return launch_registers<scalar_t>(plan, c.problem, args, stream);
+        break;
       case ForwardKernel::Contiguous:
       case ForwardKernel::ChannelsLast:
-        return launch_team<scalar_t>(plan, c.problem, args, workspace, stream);
+        return launch_team<scalar_t, kFused>(plan, c.problem, args, workspace, stream);
       case ForwardKernel::Stream:
-        return launch_stream<scalar_t>(plan, c.problem, args, workspace, stream);
+        return launch_stream<scalar_t, kFused>(plan, c.problem, args, workspace, stream);
       case ForwardKernel::StreamChannelsLast:
-        return launch_stream_channels_last<scalar_t>(plan, c.problem, args, workspace, stream);
+        return launch_stream_channels_last<scalar_t, kFused>(plan, c.problem, args, workspace,
+                                                             stream);
     }
+    TORCH_CHECK(false, "groupnorm: the registers kernel was planned with an epilogue");
   });
   return {y, mean, rstd};
 }

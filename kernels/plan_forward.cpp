@@ -147,8 +147,8 @@ ForwardPlan team_contiguous(const Problem& p, int64_t forced_team) {
   // warps make each block reduction (the latency of a tiny launch) shorter.
   plan.threads =
       int(std::clamp<int64_t>((items + kWarp - 1) / kWarp * kWarp, kWarp, kContiguousThreads));
-  const void* kernel = with_dtype(p.dtype, [&](auto tag) {
-    return team_kernel<typename decltype(tag)::type>(false, plan.vec);
+  const void* kernel = with_forward_types(p, [&](auto tag, auto fused) {
+    return team_kernel<typename decltype(tag)::type, fused>(false, plan.vec);
   });
   plan_teams(plan, p, kernel, items, plan.vec * p.elem, 1, plan.threads, forced_team);
   return plan;
@@ -175,8 +175,9 @@ std::optional<ForwardPlan> team_channels_last(const Problem& p, bool forced, int
   plan.team.rows_per_step = int(std::max<int64_t>(1, kContiguousThreads / cols));
   plan.threads = int((cols * plan.team.rows_per_step + kWarp - 1) / kWarp * kWarp);
   plan.units = p.N * blocks;
-  const void* kernel = with_dtype(
-      p.dtype, [&](auto tag) { return team_kernel<typename decltype(tag)::type>(true, v); });
+  const void* kernel = with_forward_types(p, [&](auto tag, auto fused) {
+    return team_kernel<typename decltype(tag)::type, fused>(true, v);
+  });
   plan_teams(plan, p, kernel, p.HxW, C * p.elem, p.G / blocks, plan.team.rows_per_step * int(C),
              forced_team);
   return plan;
@@ -224,8 +225,9 @@ ForwardPlan stream_contiguous(const Problem& p, int64_t forced_lag) {
   s.piece = kStreamPieceVecs;
   const int64_t items = p.D() * p.HxW / plan.vec;
   const int64_t pieces = (items + s.piece - 1) / s.piece;
-  const void* kernel = with_dtype(
-      p.dtype, [&](auto tag) { return stream_kernel<typename decltype(tag)::type>(plan.vec); });
+  const void* kernel = with_forward_types(p, [&](auto tag, auto fused) {
+    return stream_kernel<typename decltype(tag)::type, fused>(plan.vec);
+  });
   plan_stream(plan, p, kernel, pieces, s.piece * plan.vec * p.elem, 1, forced_lag);
   // Every normalise item merges its unit's partials itself when fewer than
   // three quarters of the items in flight separate a unit's last statistics
@@ -274,8 +276,8 @@ std::optional<ForwardPlan> stream_channels_last(const Problem& p, bool forced, i
   // merged, then the chunks, by the CTAs that complete them.
   s.each_merges = pieces * 2 * G * p.acc * kEachMergeShare <= piece_bytes;
   s.chunk = s.each_merges ? pieces : std::max<int64_t>(1, kChunkPartials / G);
-  const void* kernel = with_dtype(p.dtype, [&](auto tag) {
-    return stream_channels_last_kernel<typename decltype(tag)::type>(v);
+  const void* kernel = with_forward_types(p, [&](auto tag, auto fused) {
+    return stream_channels_last_kernel<typename decltype(tag)::type, fused>(v);
   });
   plan_stream(plan, p, kernel, pieces, piece_bytes, s.each_merges ? 1 : kRowsFrontsOnce,
               forced_lag);
