@@ -1,0 +1,115 @@
+"""The forward epilogue's cost: our GroupNorm with an epilogue against our
+plain GroupNorm on the same input, and against torch.compile of the unfused
+torch sequence (GroupNorm then the activation), which Inductor fuses itself.
+
+    python benchmarks/bench_epilogue.py [--quick] [--rounds 3] [--no-compile] [--json PATH]
+
+One process, one GPU, the benchmark suite's forward rows. Per row the
+contenders alternate for --rounds rounds; each time is a median of
+triton.testing.do_bench, or, under 0.05 ms, of CUDA-graph replays
+(ab_compare.graph_ms: do_bench's steps of about a microsecond are several
+percent there). Reported: each contender's median over rounds, each
+epilogue's time over plain (the issue's line: at most 1.05 for an
+activation, 1.08 for scale-shift-SiLU), and torch.compile's SiLU time over
+ours (above 1 is ours faster).
+"""
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton.testing
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import groupnorm_inline as gn  # noqa: E402
+from ab_compare import graph_ms  # noqa: E402
+from bench_groupnorm import QUICK, SUITE, make_inputs, rotating  # noqa: E402
+
+GRAPH_BELOW_MS = 0.05
+
+
+def time_ms(fn):
+    ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return graph_ms(fn) if ms < GRAPH_BELOW_MS else ms
+
+
+def contenders(groups, w, b, scale, shift, compile_too):
+    """{name: function of the input}: plain, each epilogue, and compile's."""
+    fns = {
+        "plain": lambda t: gn.groupnorm_cuda(t, w, b, groups),
+        "silu": lambda t: gn.groupnorm_cuda(t, w, b, groups, activation="silu"),
+        "gelu": lambda t: gn.groupnorm_cuda(t, w, b, groups, activation="gelu"),
+        "tanh,hardswish": lambda t: gn.groupnorm_cuda(t, w, b, groups, activation=("tanh", "hardswish")),
+        "scale_shift_silu": lambda t: gn.groupnorm_cuda(t, w, b, groups, scale=scale, shift=shift,
+                                                        activation="silu"),
+    }
+    if compile_too:
+        torch._dynamo.reset()
+        fns["compile_silu"] = torch.compile(lambda t: F.silu(F.group_norm(t, groups, w, b)), dynamic=False)
+    return fns
+
+
+def run_row(name, shape, groups, dtype, layout, rounds, compile_too, budget):
+    inputs = make_inputs(shape, dtype, layout, budget)
+    C, N = shape[1], shape[0]
+    w, b = (torch.randn(C, device="cuda", dtype=dtype) for _ in range(2))
+    scale, shift = (0.1 * torch.randn(N, C, device="cuda", dtype=dtype) for _ in range(2))
+    times = {}
+    with torch.no_grad():
+        fns = {k: rotating(f, inputs) for k, f in contenders(groups, w, b, scale, shift, compile_too).items()}
+        for _ in range(rounds):
+            for key, fn in fns.items():
+                times.setdefault(key, []).append(time_ms(fn))
+    del inputs
+    torch.cuda.empty_cache()
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    return {"name": name, "shape": list(shape), "G": groups, "dtype": str(dtype)[6:], "layout": layout,
+            "ms": ms, "rounds": times}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the suite's quick rows only")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile's SiLU")
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    budget = torch.cuda.get_device_properties(0).total_memory // 4
+    rows = []
+    epilogues = ["silu", "gelu", "tanh,hardswish", "scale_shift_silu"]
+    print(f"{'row':<58} {'plain ms':>9} " + " ".join(f"{e:>16}" for e in epilogues)
+          + f" {'compile/ours':>12}")
+    for case in SUITE:
+        if args.quick and case[0] not in QUICK:
+            continue
+        row = run_row(*case, args.rounds, not args.no_compile, budget)
+        rows.append(row)
+        ms = row["ms"]
+        key = f"{row['name']} {'x'.join(map(str, row['shape']))} {row['dtype']} {row['layout']}"
+        ratios = " ".join(f"{ms[e] / ms['plain']:16.3f}" for e in epilogues)
+        versus = f"{ms['compile_silu'] / ms['silu']:12.2f}" if "compile_silu" in ms else ""
+        print(f"{key:<58} {ms['plain']:9.4f} {ratios} {versus}", flush=True)
+    for e in epilogues:
+        worst = max(r["ms"][e] / r["ms"]["plain"] for r in rows)
+        print(f"{e}: worst {worst:.3f}x plain")
+    if all("compile_silu" in r["ms"] for r in rows):
+        speedups = [r["ms"]["compile_silu"] / r["ms"]["silu"] for r in rows]
+        geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
+        print(f"silu vs torch.compile: slowest row {min(speedups):.2f}x, geomean {geomean:.2f}x")
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "cuda": torch.version.cuda, "rounds": args.rounds}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
