@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cmath>
+#include <type_traits>
 
 #include "activation.h"
 #include "vec.cuh"
@@ -104,13 +105,25 @@ __device__ __forceinline__ Vec<scalar_t, V> normalise_vec(const Vec<scalar_t, V>
   return out;
 }
 
+// 1 / (1 + exp(-v)): in float with the fast exponential and a rounded
+// reciprocal (a few ulp, as Inductor's sigmoid), in double as torch's.
+template <typename A>
+__device__ __forceinline__ A logistic(A v) {
+  if constexpr (std::is_same_v<A, float>) {
+    return __frcp_rn(1.0f + __expf(-v));
+  } else {
+    return A(1) / (A(1) + exp(-v));
+  }
+}
+
 // One activation, as torch.nn.functional computes it on CUDA in the
-// accumulation type (float, or double for double), NaN propagating alike.
+// accumulation type (float, or double for double), NaN and inf propagating
+// alike; SiLU and sigmoid through logistic.
 template <typename A>
 __device__ __forceinline__ A activation(Activation a, A v, A slope) {
   switch (a) {
     case Activation::SiLU:
-      return v / (A(1) + exp(-v));
+      return v * logistic(v);
     case Activation::GELU:
       return v * A(0.5) * (A(1) + erf(v * A(M_SQRT1_2)));
     case Activation::GELUTanh: {
@@ -124,7 +137,7 @@ __device__ __forceinline__ A activation(Activation a, A v, A slope) {
     case Activation::Tanh:
       return tanh(v);
     case Activation::Sigmoid:
-      return A(1) / (A(1) + exp(-v));
+      return logistic(v);
     case Activation::Hardswish: {
       // torch's CUDA kernel multiplies by 1/6 rounded to float, for double too
       const A clipped = v + A(3) < A(0) ? A(0) : v + A(3);
@@ -175,7 +188,15 @@ __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t a
                                              const Epilogue<scalar_t, kFused>& ep) {
   using A = acc_t<scalar_t>;
   if constexpr (kFused) {
-    if (ep.activations > 0) {
+    // SiLU (diffusion models) and ReLU (timm, MONAI) alone inline; other
+    // chains through the call, which costs its caller saved registers
+    if (ep.activations == 1 && ep.chain == uint32_t(Activation::SiLU)) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[e] = activation(Activation::SiLU, v[e], ep.slope);
+    } else if (ep.activations == 1 && ep.chain == uint32_t(Activation::ReLU)) {
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[e] = activation(Activation::ReLU, v[e], ep.slope);
+    } else if (ep.activations > 0) {
 #pragma unroll
       for (int e = 0; e < V; ++e) v[e] = activate(v[e], ep.chain, ep.activations, ep.slope);
     }
