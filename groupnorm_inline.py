@@ -735,7 +735,7 @@ def _needs_grad(*tensors):
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=None, shift=None,
-               activation=None, residual=None):
+               activation=None, residual=None, process_group=None):
     """Same signature and result as torch.nn.functional.group_norm, and an
     optional fused epilogue:
 
@@ -764,15 +764,15 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
     weight/bias of another dtype or device than the input, go to torch. Under
     CUDA autocast the op runs in float32, as torch's does. A bad argument
     raises GroupNormError, which is also the type torch raises for it.
+
+    process_group (a torch.distributed group): input is this rank's slab of
+    the spatial dims of samples that the group's ranks share (any spatial
+    axis, unequal slabs, empty ones too); the result is the slab of the
+    GroupNorm of the whole tensor. Every rank of the group must make the
+    call, and run its backward, as with any collective (_ShardedGroupNorm).
     """
     num_groups, eps = _check_arguments("group_norm", input, num_groups, weight, bias, eps)
     epilogue = _check_epilogue("group_norm", input, scale, shift, activation, residual)
-    if _single_value_per_channel(input, num_groups):
-        raise GroupNormError("group_norm: expected more than 1 value per channel, got input of "
-                             f"size {list(input.shape)}")
-    if input.shape[1] == 0 or 0 in input.shape[2:]:  # torch takes N = 0 alone
-        raise GroupNormError("group_norm: expected the number of channels and each spatial size "
-                             f"to be greater than 0, got input of size {list(input.shape)}")
     if input.is_cuda and torch.is_autocast_enabled("cuda"):
         # torch's float32 autocast policy: half-precision tensors become
         # float32, float64 ones stay as they are
@@ -782,6 +782,16 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
                                             for name in ("scale", "shift", "residual")})
     if epilogue is not None:
         _check_epilogue_like("group_norm", epilogue, input)
+    if process_group is not None:  # a rank's slab may be empty
+        _check_process_group(process_group)
+        y = _ShardedGroupNorm.apply(input, weight, bias, num_groups, eps, process_group)
+        return y if epilogue is None else _torch_epilogue(y, epilogue)
+    if _single_value_per_channel(input, num_groups):
+        raise GroupNormError("group_norm: expected more than 1 value per channel, got input of "
+                             f"size {list(input.shape)}")
+    if input.shape[1] == 0 or 0 in input.shape[2:]:  # torch takes N = 0 alone
+        raise GroupNormError("group_norm: expected the number of channels and each spatial size "
+                             f"to be greater than 0, got input of size {list(input.shape)}")
     others = epilogue.tensors() if epilogue is not None else ()
     if _takes_cuda_path(input, weight, bias, *others) and _kernels_available():
         return _cuda_forward(input, weight, bias, num_groups, eps, epilogue, caller="group_norm")
@@ -790,6 +800,123 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
         weight = torch.ones_like(bias)
     y = F.group_norm(input, num_groups, weight, bias, eps)
     return y if epilogue is None else _torch_epilogue(y, epilogue)
+
+
+# ---------------------------------------------------------------------------
+# Spatially sharded GroupNorm (process_group=)
+# ---------------------------------------------------------------------------
+
+def _local_moments(x, groups):
+    """(count, mean, m2) of each (n, g) of this rank's slab, in float64: the
+    element count, the mean and the sum of squared deviations from it (zero
+    for an empty slab)."""
+    N = x.shape[0]
+    values = _group_view(x, groups).flatten(2)
+    count = values.shape[-1]
+    if count == 0:
+        zeros = x.new_zeros((N, groups), dtype=torch.float64)
+        return zeros, zeros, zeros
+    wide = values.double() if x.dtype == torch.float64 else values.float()
+    var, mean = torch.var_mean(wide, dim=-1, correction=0)
+    return (torch.full_like(mean, count, dtype=torch.float64), mean.double(),
+            var.double() * count)
+
+
+def _merged_moments(x, groups, process_group):
+    """mean, variance and element count of each (n, g) over every rank's slab: one all-gather
+    of (count, mean, m2), merged exactly in float64 (Chan et al.): m2 = sum
+    of m2_i + n_i (mean_i - mean)^2, so slabs of very different means lose
+    nothing."""
+    import torch.distributed as dist
+
+    local = torch.stack(_local_moments(x, groups))  # [3, N, G]
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(process_group))]
+    dist.all_gather(gathered, local.contiguous(), group=process_group)
+    count, mean, m2 = torch.stack(gathered).unbind(1)  # each [ranks, N, G]
+    total = count.sum(0)
+    merged_mean = (count * mean).sum(0) / total
+    merged_m2 = (m2 + count * (mean - merged_mean) ** 2).sum(0)
+    return merged_mean, merged_m2 / total, total
+
+
+def _group_view(x, groups):
+    """x as [N, G, C / G, elements of a channel] (reshape: a copy unless contiguous)."""
+    return x.reshape(x.shape[0], groups, x.shape[1] // groups, math.prod(x.shape[2:]))
+
+
+def _check_process_group(process_group):
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise GroupNormError("group_norm: process_group= needs torch.distributed initialised "
+                             "(torch.distributed.init_process_group)")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise _WrongType("group_norm: process_group must be a torch.distributed.ProcessGroup "
+                         f"(e.g. torch.distributed.group.WORLD), got {type(process_group).__name__}")
+
+
+class _ShardedGroupNorm(torch.autograd.Function):
+    """GroupNorm of a tensor whose spatial dims are split across the ranks
+    of a process group, each rank holding a slab. Forward: one all-gather of
+    three float64 values per (n, g) (_merged_moments), then this slab
+    normalised with the whole tensor's statistics. Backward: one all-reduce
+    of two sums per (n, g) for the input's gradient; weight's and bias's
+    gradients are this slab's share, to be summed over the ranks like any
+    data-parallel gradient (DDP does). torch ops in float (double for
+    float64), on any device the group's backend serves (gloo: CPU, NCCL:
+    CUDA): exact, not yet this module's kernels. Not traceable by
+    torch.compile."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups, eps, process_group):
+        if torch.compiler.is_compiling():
+            raise GroupNormError("group_norm: process_group= is not supported under "
+                                 "torch.compile yet")
+        mean, var, count = _merged_moments(x, groups, process_group)
+        rstd = (var + eps).rsqrt()
+        y = _normalised(x, groups, mean, rstd)
+        shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
+        if weight is not None:
+            y = y * weight.reshape(shape).to(y.dtype)
+        if bias is not None:
+            y = y + bias.reshape(shape).to(y.dtype)
+        ctx.save_for_backward(x, weight, mean, rstd, count)
+        ctx.groups, ctx.process_group = groups, process_group
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        import torch.distributed as dist
+
+        x, weight, mean, rstd, count = ctx.saved_tensors
+        groups, C = ctx.groups, x.shape[1]
+        xhat = _group_view(_normalised(x, groups, mean, rstd), groups)
+        dyv = _group_view(dy, groups).to(xhat.dtype)
+        g = dyv if weight is None else dyv * weight.reshape(1, groups, C // groups, 1).to(xhat.dtype)
+        # sums of g and g * xhat per (n, g) over the whole tensor: one all-reduce
+        sums = torch.stack([g.sum((2, 3)), (g * xhat).sum((2, 3))]).double()
+        dist.all_reduce(sums, group=ctx.process_group)
+        mean_g, mean_gx = (_per_group(t / count).to(xhat.dtype) for t in sums.unbind(0))
+        dx = (g - mean_g - xhat * mean_gx) * _per_group(rstd).to(xhat.dtype)
+        dweight = dbias = None
+        if weight is not None and ctx.needs_input_grad[1]:
+            dweight = (dyv * xhat).sum((0, 3)).reshape(C).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            dbias = dyv.sum((0, 3)).reshape(C).to(ctx.bias_dtype)
+        return dx.reshape(x.shape).to(x.dtype), dweight, dbias, None, None, None
+
+
+def _per_group(t):
+    """[N, G] values shaped to broadcast over a [N, G, C / G, S] view."""
+    return t[:, :, None, None]
+
+
+def _normalised(x, groups, mean, rstd):
+    """(x - mean) * rstd per group, in float (double for float64 x), x's shape."""
+    view = _group_view(x, groups)
+    wide = view.double() if x.dtype == torch.float64 else view.float()
+    return ((wide - _per_group(mean).to(wide.dtype)) * _per_group(rstd).to(wide.dtype)).reshape(x.shape)
 
 
 def _autocast_float32(t):
@@ -934,9 +1061,11 @@ class GroupNorm(nn.GroupNorm):
     # before an activation a fused kernel could apply (see _activation_name)
     next_activation = None
     _activation = None  # what `activation` returns: the fused activation, as given
+    # group_norm's process_group: the ranks that hold slabs of the same samples
+    process_group = None
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None,
-                 *, bias=True, activation=None):
+                 *, bias=True, activation=None, process_group=None):
         # numpy scalars and 0-d tensors become int and float here:
         # torch.compile traces plain Python numbers
         num_groups, eps = _check_scalars("GroupNorm", num_groups, eps)
@@ -949,6 +1078,7 @@ class GroupNorm(nn.GroupNorm):
         # not through the setter: GroupNormAct's `activation` has none
         _activation_steps("GroupNorm", activation)  # a bad name fails here, not at the first call
         self._activation = activation
+        self.process_group = process_group
 
     @property
     def activation(self):
@@ -975,7 +1105,7 @@ class GroupNorm(nn.GroupNorm):
 
     def forward(self, input):
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
-                          activation=self._activation)
+                          activation=self._activation, process_group=self.process_group)
 
 
 _TORCH_ACTIVATIONS = {nn.SiLU: "silu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
@@ -1108,7 +1238,7 @@ def _layers(count):
     return f"{count} GroupNorm layer{'' if count == 1 else 's'}"
 
 
-def replace_groupnorm(model, *, strict=False, verbose=False):
+def replace_groupnorm(model, *, strict=False, verbose=False, process_group=None):
     """Swaps every nn.GroupNorm inside `model` (in place) for GroupNorm, keeping
     its parameters, buffers, hooks and training mode; returns the model (or
     the replacement, if `model` itself is one).
@@ -1120,7 +1250,10 @@ def replace_groupnorm(model, *, strict=False, verbose=False):
     with strict=True a GroupNormError (also a TypeError) does, before anything
     is swapped. verbose=True prints the counts by class. A GroupNorm that an
     nn.Sequential runs right before a known activation gets that activation's
-    name in next_activation (the Sequential is unchanged)."""
+    name in next_activation (the Sequential is unchanged). process_group (a
+    torch.distributed group) is set on every GroupNorm of the model, ours
+    before too: each rank then holds a spatial slab (group_norm's
+    process_group)."""
     swaps, left, already_ours = {}, [], 0
     for name, module in model.named_modules():
         if isinstance(module, GroupNorm):
@@ -1142,6 +1275,10 @@ def replace_groupnorm(model, *, strict=False, verbose=False):
             if id(child) in new_of:
                 setattr(parent, name, new_of[id(child)])
     model = new_of.get(id(model), model)
+    if process_group is not None:
+        for module in model.modules():
+            if isinstance(module, GroupNorm):
+                module.process_group = process_group
     paired = _record_activation_pairs(model)
     if verbose:
         kinds = [_kind(module) for module, _ in swaps.values()]
