@@ -2649,6 +2649,34 @@ def test_models_benchmark_swaps_every_groupnorm_of_tiny_models(name):
     model.load_state_dict(swapped.state_dict())
 
 
+def test_models_benchmark_pass_variant_compiles_with_the_pass_and_removes_it():
+    # the "pass" variant's harness on a toy block (CPU: the pass serves CUDA
+    # graphs only, so here it runs and changes nothing)
+    from torch._inductor import config
+    try:
+        gn.load()
+    except gn.ToolchainError as error:
+        pytest.skip(f"the extension cannot be built here: {error}")
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    import models
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.SiLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    seen = []
+    call = models.with_compile_fusion(lambda m, t: seen.append(config.pre_grad_custom_pass) or m(t))
+    call(model, x)
+    assert len(seen) == 1 and isinstance(seen[0], gn._GroupNormPass) and gn._compile_pass is None
+    result, callables = {"variants": {}}, {}
+    reference = model.double()(x.double())
+    models.add_pass_variant(result, callables, model.float(), lambda m, t: m(t), (x,), reference,
+                            ["compile"])
+    assert set(callables) == {("pass", "compile")}
+    assert result["variants"]["pass"]["max_error"] < 1e-5
+    callables[("pass", "compile")]()
+    assert config.pre_grad_custom_pass is None
+    torch._dynamo.reset()
+
+
 def _dynamo_graph(fn, *args):
     """The pre-grad FX graph Dynamo traces of fn(*args), as Inductor's
     pre-grad passes see it."""

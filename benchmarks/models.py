@@ -13,7 +13,9 @@ Real architectures with random weights and the configurations people run
 - resnet50_gn, efficientnet_b3_gn: timm, bf16, channels_last, batch 32, 224x224;
 - segresnet: MONAI SegResNet 3-D, bf16, 1x4x128x128x128.
 
-Per model and variant ("torch": as shipped; "ours": replace_groupnorm): the
+Per model and variant ("torch": as shipped; "ours": replace_groupnorm;
+"pass", compiled modes only: as shipped, compiled with
+gn.enable_compile_fusion(), the one line that needs no model change): the
 largest error against a float64 copy of the same weights, relative to the
 output's largest magnitude; forward time in eager mode, compiled (default,
 and mode="reduce-overhead": CUDA graphs) and a training step (forward, a
@@ -192,6 +194,11 @@ def run_model(name, modes, rounds, device, tiny):
             callables[(v, mode)] = lambda c=compiled: torch.no_grad()(call)(c, *args)
         if "train" in modes:
             callables[(v, "train")] = lambda m=m: training_step(m, call, args)
+    compiled_modes = [mode for mode in ("compile", "reduce-overhead") if mode in modes]
+    if compiled_modes:
+        # its own copy: Dynamo keys compiled code on the module instance
+        add_pass_variant(result, callables, copy.deepcopy(variants["torch"]), call, args,
+                         reference, compiled_modes)
     times = {key: [] for key in callables if key[1] in modes}
     for fn in (callables[key] for key in times):  # warm-up
         fn()
@@ -201,24 +208,61 @@ def run_model(name, modes, rounds, device, tiny):
     for (v, mode), t in times.items():
         result["variants"][v][f"{mode}_ms"] = round(statistics.median(t), 3)
     for mode in modes:
-        if all(f"{mode}_ms" in result["variants"][v] for v in variants):
-            result[f"{mode}_speedup"] = round(result["variants"]["torch"][f"{mode}_ms"] /
-                                              result["variants"]["ours"][f"{mode}_ms"], 3)
+        for v, key in (("ours", f"{mode}_speedup"), ("pass", f"{mode}_pass_speedup")):
+            if f"{mode}_ms" in result["variants"].get(v, {}):
+                result[key] = round(result["variants"]["torch"][f"{mode}_ms"] /
+                                    result["variants"][v][f"{mode}_ms"], 3)
     return result
 
 
+def with_compile_fusion(call):
+    """call(), with groupnorm_inline's compile pass installed while it runs:
+    a recompile (after a dynamo reset) keeps the pass, and the other
+    variants' compiles never see it."""
+    def run(*args):
+        gn.enable_compile_fusion()
+        try:
+            return call(*args)
+        finally:
+            gn.disable_compile_fusion()
+    return run
+
+
+def add_pass_variant(result, callables, model, call, args, reference, modes):
+    """The "pass" variant: torch's model compiled with the compile pass."""
+    entry = result["variants"]["pass"] = {}
+    fused_call = with_compile_fusion(call)
+    for mode in modes:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, mode=None if mode == "compile" else mode)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = fused_call(compiled, *args)
+            fused_call(compiled, *args)  # reduce-overhead records its graph on a later call
+        if out.is_cuda:
+            torch.cuda.synchronize()
+        entry[f"{mode}_first_calls_s"] = round(time.perf_counter() - start, 2)
+        entry.setdefault("max_error", relative_error(out, reference))
+        callables[("pass", mode)] = lambda c=compiled: torch.no_grad()(fused_call)(c, *args)
+
+
 def markdown(results):
-    lines = ["| model | GroupNorms swapped | mode | torch ms | ours ms | speed-up |",
-             "|---|---:|---|---:|---:|---:|"]
+    lines = ["| model | GroupNorms swapped | mode | torch ms | ours ms | speed-up | "
+             "compile pass ms | speed-up |", "|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in results:
         for mode in MODES:
             if f"{mode}_speedup" in r:
+                passed = r["variants"].get("pass", {})
+                extra = (f"{passed[f'{mode}_ms']:.2f} | {r[f'{mode}_pass_speedup']:.2f}"
+                         if f"{mode}_ms" in passed else "| ")
                 lines.append(f"| {r['model']} | {r['swapped']}/{r['groupnorms']} | {mode} | "
                              f"{r['variants']['torch'][f'{mode}_ms']:.2f} | "
-                             f"{r['variants']['ours'][f'{mode}_ms']:.2f} | {r[f'{mode}_speedup']:.2f} |")
-    lines += ["", "| model | error torch | error ours |", "|---|---:|---:|"]
+                             f"{r['variants']['ours'][f'{mode}_ms']:.2f} | {r[f'{mode}_speedup']:.2f} | "
+                             f"{extra} |")
+    lines += ["", "| model | error torch | error ours | error compile pass |", "|---|---:|---:|---:|"]
     lines += [f"| {r['model']} | {r['variants']['torch']['max_error']:.2e} | "
-              f"{r['variants']['ours']['max_error']:.2e} |" for r in results]
+              f"{r['variants']['ours']['max_error']:.2e} | "
+              f"{r['variants'].get('pass', {}).get('max_error', float('nan')):.2e} |" for r in results]
     return "\n".join(lines)
 
 
