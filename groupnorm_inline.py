@@ -68,7 +68,6 @@ _UNIT_DTYPES = {"float": "float", "double": "double", "half": "c10::Half",
 # declarations to bind: the KernelBench export (load_inline compiles strings).
 _SINGLE_UNIT = "extension.cu"
 _DECLARATIONS = "ops.h"
-_FUNCTIONS = ["forward"]
 _CXX_FLAGS = ["-O3"]
 _CUDA_FLAGS = ["-O3"]   # torch adds its own -std (C++17 or C++20 by version)
 _DEFAULT_ARCH = "9.0"                # used when no GPU is visible (CI compiles this way)

@@ -4,7 +4,7 @@
     python groupnorm_inline.py build [--arch 9.0]   compile only, print the extension's name
     python groupnorm_inline.py --version
     python groupnorm_inline.py bundle OUT.py        standalone single-file copy
-    python groupnorm_inline.py bundle --kernelbench level1-35 OUT.py
+    python groupnorm_inline.py bundle --kernelbench level1-35 OUT.py   (or level2-92)
 
 bundle_source and bundle write a standalone copy of the library (its kernels
 and this module embedded), kernelbench_source a KernelBench solution file,
@@ -51,15 +51,10 @@ BUNDLE_MARKER = "# Written by groupnorm_inline's `bundle` command, which may ove
 _SOURCES_MARKER = "_EMBEDDED_SOURCES = None  # " + "replaced by `bundle`"
 _TOOLS_MARKER = "_EMBEDDED_TOOLS = None  # " + "replaced by `bundle`"
 
-# KernelBench level 1, problem 35: Model holds self.gn = nn.GroupNorm(...).
-KERNELBENCH_PROBLEMS = {
-    "level1-35": dict(batch_size=112, features=64, num_groups=8, dim1=512, dim2=512),
-}
-
-_KERNELBENCH_TEMPLATE = """# KernelBench level-1 #35 (GroupNorm) solution from groupnorm_inline {version}.
+# The KernelBench problems a solution can be written for.
+_KERNELBENCH_HEAD = """# KernelBench {title} solution from groupnorm_inline {version}.
 #
-# ModelNew keeps the reference Model's parameters (gn.weight, gn.bias) and runs
-# GroupNorm with the CUDA kernels below.
+{summary}
 import torch
 from torch import nn
 from torch.utils.cpp_extension import load_inline
@@ -80,9 +75,14 @@ class GroupNormCUDA(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(num_channels))
         self.bias = nn.Parameter(torch.zeros(num_channels))
+"""
 
+# Level 1, problem 35: Model holds self.gn = nn.GroupNorm(...). The forward
+# calls the extension's forward(x, weight, bias, groups, eps, kernel, team,
+# lag) with the automatic choice.
+_LEVEL1_35 = """
     def forward(self, x):
-        return {forward}
+        return _extension.forward(x, self.weight, self.bias, self.num_groups, self.eps, "auto", 0, 0)[0]
 
 
 class ModelNew(nn.Module):
@@ -94,11 +94,11 @@ class ModelNew(nn.Module):
         return self.gn(x)
 
 
-batch_size = {batch_size}
-features = {features}
-num_groups = {num_groups}
-dim1 = {dim1}
-dim2 = {dim2}
+batch_size = 112
+features = 64
+num_groups = 8
+dim1 = 512
+dim2 = 512
 
 
 def get_inputs():
@@ -109,9 +109,62 @@ def get_init_inputs():
     return [features, num_groups]
 """
 
-# The solution's call of the extension's forward, whose C++ signature is
-# forward(x, weight, bias, groups, eps, kernel, team, lag): the automatic choice.
-KERNELBENCH_FORWARD = '_extension.forward(x, self.weight, self.bias, self.num_groups, self.eps, "auto", 0, 0)[0]'
+# Level 2, problem 92: conv -> GroupNorm -> tanh -> hardswish -> + conv
+# output -> logsumexp over channels. The conv is cuDNN's, as in the
+# reference (nn.Conv2d, created first: seeded initialisation gives the same
+# weights); one extension call reads its output for the statistics and once
+# more for y = x_conv + hardswish(tanh(GroupNorm(x_conv))) (forward_fused:
+# the chain of activation codes, the residual the input itself); logsumexp is
+# torch's. CPU tensors run the same ops in torch.
+_LEVEL2_92 = """
+    def forward(self, x):
+        if not x.is_cuda:
+            y = torch.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+            y = torch.tanh(y)
+            return x + y * (y + 3).clamp(0, 6) / 6
+        return _extension.forward_fused(x, self.weight, self.bias, self.num_groups, self.eps,
+                                        "auto", 0, 0, None, None, x, [TANH, HARDSWISH], 0.01)[0]
+
+
+TANH, HARDSWISH = {tanh}, {hardswish}  # the kernels' activation codes (activation.h)
+
+
+class ModelNew(nn.Module):
+    def __init__(self, in_channels, out_channels, kernel_size, groups, eps=1e-5):
+        super().__init__()
+        self.conv = nn.Conv2d(in_channels, out_channels, kernel_size)
+        self.group_norm = GroupNormCUDA(groups, out_channels, eps)
+
+    def forward(self, x):
+        return torch.logsumexp(self.group_norm(self.conv(x)), dim=1, keepdim=True)
+
+
+batch_size = 128
+in_channels = 8
+out_channels = 64
+height = width = 128
+kernel_size = 3
+groups = 16
+
+
+def get_inputs():
+    return [torch.rand(batch_size, in_channels, height, width)]
+
+
+def get_init_inputs():
+    return [in_channels, out_channels, kernel_size, groups]
+"""
+
+KERNELBENCH_PROBLEMS = {
+    "level1-35": dict(title="level-1 #35 (GroupNorm)", functions=["forward"], body=_LEVEL1_35,
+                      summary="# ModelNew keeps the reference Model's parameters (gn.weight, gn.bias) and runs\n"
+                              "# GroupNorm with the CUDA kernels below."),
+    "level2-92": dict(title="level-2 #92 (Conv2d, GroupNorm, Tanh, HardSwish, residual add, "
+                            "LogSumExp)", functions=["forward", "forward_fused"], body=_LEVEL2_92,
+                      summary="# ModelNew keeps the reference Model's parameters (conv.weight, conv.bias,\n"
+                              "# group_norm.weight, group_norm.bias); after cuDNN's convolution one kernel\n"
+                              "# computes GroupNorm, tanh, hardswish and the residual add. Forward only."),
+}
 
 
 def _strip_line_comments(code):
@@ -164,13 +217,17 @@ def kernelbench_source(problem="level1-35"):
         raise ValueError(f"unknown KernelBench problem {problem!r}; known: {', '.join(KERNELBENCH_PROBLEMS)}")
     lib = _lib()
     cpp, cuda = lib.sources()
-    text = _KERNELBENCH_TEMPLATE.format(
-        version=lib.__version__, cpp=_raw_literal(cpp), cuda=_raw_literal(cuda),
-        # its own name: load_inline builds another library (forward alone)
-        # and must not replace the module's cached build
-        name=lib.extension_name().replace("groupnorm_inline_", "groupnorm_kernelbench_"),
-        functions=lib._FUNCTIONS, flags=lib._CUDA_FLAGS,
-        forward=KERNELBENCH_FORWARD, **KERNELBENCH_PROBLEMS[problem])
+    spec = KERNELBENCH_PROBLEMS[problem]
+    head = _KERNELBENCH_HEAD.format(
+        title=spec["title"], summary=spec["summary"], version=lib.__version__,
+        cpp=_raw_literal(cpp), cuda=_raw_literal(cuda),
+        # its own name: load_inline builds another library (the functions
+        # bound differ) and must not replace the module's cached build
+        name=lib.extension_name().replace("groupnorm_inline_", f"groupnorm_{problem.replace('-', '_')}_"),
+        functions=spec["functions"], flags=lib._CUDA_FLAGS)
+    codes = lib._ACTIVATION_CODES
+    text = head + spec["body"].replace("{tanh}", str(codes["tanh"])).replace(
+        "{hardswish}", str(codes["hardswish"]))
     problems = kernelbench_problems(text)
     if problems:
         raise RuntimeError(f"KernelBench bundle would be rejected: {', '.join(problems)}")
@@ -348,7 +405,7 @@ examples:
   %(prog)s bundle my_groupnorm.py
       a standalone copy to import: one file, the kernels embedded
   %(prog)s bundle --kernelbench level1-35 solution.py
-      a KernelBench solution file
+      a KernelBench solution file (also level2-92)
 """
 
 
