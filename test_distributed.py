@@ -113,6 +113,41 @@ def test_sharded_group_norm_matches_the_whole_tensor_on_two_cpu_processes(tmp_pa
     mp.spawn(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
 
 
+def _patch_worker(rank, store_path):
+    # examples/patch_parallel.py's pieces on two gloo processes: diffusers'
+    # VAE up-blocks on slabs of rows equal the whole model's output
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "examples", "patch_parallel.py")
+    spec = importlib.util.spec_from_file_location("patch_parallel", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+                            world_size=WORLD)
+    try:
+        torch.manual_seed(0)
+        model = example.decoder_stack(16, 2, groups=4)
+        image = torch.randn(1, 16, 10, 9) + torch.linspace(0, 30, 10)[:, None]  # rows far apart
+        shares = example.row_slabs(10, WORLD)
+        sharded = example.patch_parallel(__import__("copy").deepcopy(model), dist.group.WORLD)
+        assert sum(isinstance(m, example.HaloConv2d) for m in sharded.modules()) == 10
+        with torch.no_grad():
+            out = sharded(torch.split(image, shares, dim=2)[rank])
+            whole = model(image)
+        expected = torch.split(whole, [4 * s for s in shares], dim=2)[rank]
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_patch_parallel_example_matches_one_device_on_two_cpu_processes(tmp_path):
+    pytest.importorskip("diffusers")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    os.environ.setdefault("GROUPNORM_INLINE_LAZY", "1")
+    mp.spawn(_patch_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+
+
 def test_process_group_needs_torch_distributed():
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group is initialised in this process")
