@@ -29,20 +29,26 @@ def _slabs(full, axis, shares):
     return torch.split(full, list(shares), dim=axis)
 
 
-def _worker(rank, store_path):
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank,
+def _worker(rank, store_path, backend="gloo"):
+    """Every check on this rank; with NCCL on cuda:<rank> (the float64
+    references stay on the CPU)."""
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"file://{store_path}", rank=rank,
                             world_size=WORLD)
     try:
         for case in CASES:
-            _check_case(rank, *case)
-        _check_epilogue(rank)
-        _check_modules(rank)
-        _check_refusals()
+            _check_case(rank, *case, device=device)
+        if device.type == "cpu":
+            _check_epilogue(rank)
+            _check_modules(rank)
+            _check_refusals()
     finally:
         dist.destroy_process_group()
 
 
-def _check_case(rank, shape, groups, axis, shares, dtype, shift):
+def _check_case(rank, shape, groups, axis, shares, dtype, shift, device):
     generator = torch.Generator().manual_seed(len(shape) * 100 + shape[1])
     full = torch.randn(shape, generator=generator, dtype=torch.float64)
     full.narrow(axis, 0, shares[0]).add_(shift)  # rank 0's slab far from rank 1's
@@ -55,22 +61,22 @@ def _check_case(rank, shape, groups, axis, shares, dtype, shift):
     ref = F.group_norm(x64, groups, w64, b64, 1e-5)
     ref.backward(dy_full)
     # this rank's slab, in the case's dtype
-    x = _slabs(full, axis, shares)[rank].to(dtype).requires_grad_()
-    w, b = weight.to(dtype).requires_grad_(), bias.to(dtype).requires_grad_()
+    x = _slabs(full, axis, shares)[rank].to(device, dtype).requires_grad_()
+    w, b = (t.to(device, dtype).requires_grad_() for t in (weight, bias))
     y = gn.group_norm(x, groups, w, b, 1e-5, process_group=dist.group.WORLD)
-    assert y.shape == x.shape and y.dtype == dtype
-    y.backward(_slabs(dy_full, axis, shares)[rank].to(dtype))
+    assert y.shape == x.shape and y.dtype == dtype and y.device == device
+    y.backward(_slabs(dy_full, axis, shares)[rank].to(device, dtype))
     tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     if x.numel():  # relative to the largest value (at least 1)
         for mine, whole in ((y, ref.detach()), (x.grad, x64.grad)):
             expected = _slabs(whole, axis, shares)[rank]
-            error = (mine.double() - expected).abs().max().item()
+            error = (mine.double().cpu() - expected).abs().max().item()
             assert error <= tol * max(expected.abs().max().item(), 1.0), (shape, axis, dtype, error)
     # weight's and bias's gradients are each rank's share: their sum is the whole
     for mine, whole in ((w.grad, w64.grad), (b.grad, b64.grad)):
         total = mine.double().clone()
         dist.all_reduce(total)
-        assert (total - whole).abs().max().item() <= tol * max(whole.abs().max().item(), 1.0)
+        assert (total.cpu() - whole).abs().max().item() <= tol * max(whole.abs().max().item(), 1.0)
 
 
 def _check_epilogue(rank):
@@ -111,6 +117,14 @@ def test_sharded_group_norm_matches_the_whole_tensor_on_two_cpu_processes(tmp_pa
         pytest.skip("torch.distributed with gloo is not available")
     os.environ.setdefault("GROUPNORM_INLINE_LAZY", "1")  # the children import the module
     mp.spawn(_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
+                    reason="needs two GPUs")
+def test_gpu_sharded_group_norm_matches_the_whole_tensor_on_two_gpus(tmp_path):
+    if not dist.is_nccl_available():
+        pytest.skip("torch.distributed without NCCL")
+    mp.spawn(_worker, args=(str(tmp_path / "store"), "nccl"), nprocs=WORLD, join=True)
 
 
 def _patch_worker(rank, store_path):
