@@ -2,10 +2,10 @@
 # One GPU session's worth of evidence: build, the full test suite, the
 # self-check and the benchmarks, each logged under $OUT (default: gpu-logs/).
 #   bash benchmarks/run_gpu.sh [tests] [selfcheck] [bench] [training] [quick] [host] [models]
-#                              [ab] [-k EXPR]
+#                              [ab] [epilogue] [sanitize] [-k EXPR]
 #   (default: tests selfcheck bench training; -k passes a test selection to pytest;
 #   host: host_overhead.py; models: models.py; ab: ab_compare.py against the
-#   checkout at $AB_BASE)
+#   checkout at $AB_BASE; epilogue: bench_epilogue.py; sanitize: tools/sanitize.sh)
 # At most eight files, so every one comes back from a remote run: env.txt
 # (card, versions, build), tests.log, selfcheck.log, bench.{json,md,png},
 # training.{json,md}. Tables also go to stdout.
@@ -44,6 +44,8 @@ for step in "${steps[@]}"; do
              || status=1 ;;
     ab) python3 benchmarks/ab_compare.py "${AB_BASE:?set AB_BASE to the checkout to compare with}" . \
              --rounds 5 --json "$OUT/ab.json" || status=1 ;;
+    epilogue) python3 benchmarks/bench_epilogue.py --json "$OUT/epilogue.json" || status=1 ;;
+    sanitize) OUT="$OUT" bash tools/sanitize.sh || status=1 ;;
     *) echo "unknown step: $step" >&2; exit 2 ;;
   esac
 done
