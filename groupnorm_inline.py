@@ -593,15 +593,16 @@ def _torch_epilogue(y, epilogue):
 
 
 def _fused_call(caller, epilogue, gamma, beta, groups, eps, kernel, team, lag, x):
-    """The extension's forward_fused for x with the epilogue, eager and without
-    gradients only (the fused backward and the operator's schema come later)."""
-    if torch.compiler.is_compiling():
-        _refuse_under_compile(caller)
+    """The forward with the epilogue, without gradients (the fused backward
+    comes later): the bare extension call in eager mode; where torch.compile
+    or torch.export trace (the automatic kernel only), the operator
+    <ns>::forward_fused."""
     if _needs_grad(x, gamma, beta, *epilogue.tensors()):
-        raise GroupNormError(f"{caller}: the fused backward of scale, shift, activation and "
-                             "residual is not implemented yet; call it without gradients "
-                             "(torch.no_grad(), or tensors that do not require grad), or apply "
-                             "these ops after group_norm")
+        _refuse_fused_backward(caller)
+    if torch.compiler.is_compiling():
+        _kernels_loaded()
+        return _OPS.forward_fused(x, gamma, beta, groups, eps, epilogue.scale, epilogue.shift,
+                                  epilogue.residual, epilogue.codes(), epilogue.slope())[0]
     return load().forward_fused(x, gamma, beta, groups, eps, kernel, team, lag, epilogue.scale,
                                 epilogue.shift, epilogue.residual, epilogue.codes(),
                                 epilogue.slope())[0]
@@ -618,7 +619,9 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     dtype and memory format.
 
     scale, shift, activation, residual: the fused epilogue, as in group_norm
-    (tensors of x's dtype and device); forward only, eager only for now.
+    (tensors of x's dtype and device); forward only for now (no gradients;
+    torch.compile and torch.export trace it as the operator
+    <ns>::forward_fused).
 
     For tests and tuning (forward only, eager only; 0 = automatic):
     `kernel` forces a kernel: "auto", "reference", "registers", "contiguous",
@@ -679,13 +682,14 @@ def _kernels_loaded():
 
 
 @_traced_as_constant
-def _refuse_under_compile(caller):
-    """Raises while torch.compile traces a call with an epilogue (Dynamo
-    reports the GroupNormError inside its own error): the epilogue has no
-    registered operator yet, so a graph cannot call it."""
-    raise GroupNormError(f"{caller}: scale, shift, activation and residual are not yet supported "
-                         "under torch.compile (nor torch.export); call group_norm without them "
-                         "there and apply these ops after it")
+def _refuse_fused_backward(caller):
+    """Raises for a call with an epilogue whose gradients are wanted; called
+    as a constant while torch.compile traces, so that it raises there too
+    (Dynamo reports the GroupNormError inside its own error)."""
+    raise GroupNormError(f"{caller}: the fused backward of scale, shift, activation and "
+                         "residual is not implemented yet; call it without gradients "
+                         "(torch.no_grad(), or tensors that do not require grad), or apply "
+                         "these ops after group_norm")
 
 
 def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False):
@@ -966,6 +970,10 @@ _SCHEMAS = {
                "-> (Tensor, Tensor, Tensor)",
     "backward": "backward(Tensor dy, Tensor x, Tensor mean, Tensor rstd, Tensor? weight, "
                 "int groups, bool need_dx, bool need_affine) -> (Tensor, Tensor, Tensor)",
+    # forward with the epilogue (scale, shift: (N, C); activations: codes)
+    "forward_fused": "forward_fused(Tensor x, Tensor? weight, Tensor? bias, int groups, float eps, "
+                     "Tensor? scale, Tensor? shift, Tensor? residual, int[] activations, "
+                     "float slope) -> (Tensor, Tensor, Tensor)",
 }
 
 
@@ -1001,6 +1009,10 @@ def _forward_fake(x, weight, bias, groups, eps):
     return y, x.new_empty(stats, dtype=_stat_dtype(x)), x.new_empty(stats, dtype=_stat_dtype(x))
 
 
+def _forward_fused_fake(x, weight, bias, groups, eps, scale, shift, residual, activations, slope):
+    return _forward_fake(x, weight, bias, groups, eps)
+
+
 def _backward_fake(dy, x, mean, rstd, weight, groups, need_dx, need_affine):
     C = x.shape[1]
     # dx takes x's layout when x is dense (contiguous or channels-last-like),
@@ -1016,7 +1028,7 @@ def _backward_fake(dy, x, mean, rstd, weight, groups, need_dx, need_affine):
 
 
 def _define_ops(ns):
-    """Defines <ns>::forward and ::backward with their fake functions, once
+    """Defines <ns>::forward, ::backward and ::forward_fused with their fake functions, once
     per process: a copy of this module imported beside it (a bundle) finds
     them defined and uses them. Returns the Library that holds them."""
     if hasattr(getattr(torch.ops, ns), "forward"):
@@ -1026,6 +1038,7 @@ def _define_ops(ns):
         library.define(schema)
     torch.library.register_fake(f"{ns}::forward", _forward_fake, lib=library)
     torch.library.register_fake(f"{ns}::backward", _backward_fake, lib=library)
+    torch.library.register_fake(f"{ns}::forward_fused", _forward_fused_fake, lib=library)
     return library
 
 

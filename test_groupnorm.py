@@ -1277,15 +1277,48 @@ def test_fused_call_with_gradients_raises(monkeypatch):
     assert gn._needs_grad(x.detach().requires_grad_()) and not gn._needs_grad(x, None)
 
 
-def test_fused_call_under_torch_compile_raises(monkeypatch):
-    fake_fused_extension(monkeypatch)
+def test_fused_call_under_torch_compile_calls_the_operator(monkeypatch):
+    # where torch.compile traces, the epilogue reaches <ns>::forward_fused
+    # (automatic kernel, activation codes and slope), not the bare extension
+    calls = fake_fused_extension(monkeypatch)
+    ops = []
+
+    class Operators:
+        def forward_fused(self, *args):
+            ops.append(args[5:])
+            return torch.Tensor.clone(args[0]), None, None
+
+    monkeypatch.setattr(gn, "_OPS", Operators())
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     x = torch.randn(2, 6, 4).as_subclass(PretendCuda)
-    with pytest.raises(ValueError, match="group_norm: scale, shift, activation and residual are "
-                                         "not yet supported under torch.compile"):
-        gn.group_norm(x, 3, activation="silu")
-    with pytest.raises(ValueError, match="not yet supported under torch.compile"):
-        gn.groupnorm_cuda(x, None, None, 3, shift=torch.randn(2, 6))
+    shift = torch.randn(2, 6)
+    gn.group_norm(x, 3, activation=("leaky_relu", 0.2))
+    gn.groupnorm_cuda(x, None, None, 3, shift=shift, activation="silu")
+    assert calls == []
+    assert ops[0] == (None, None, None, [gn._ACTIVATION_CODES["leaky_relu"]], 0.2)
+    assert torch.equal(ops[1][1], shift) and ops[1][3] == [gn._ACTIVATION_CODES["silu"]]
+    with pytest.raises(ValueError, match="fused backward"):
+        gn.group_norm(x.detach().requires_grad_(), 3, activation="silu")
+
+
+def test_fused_operator_is_defined_and_refuses_gradients():
+    # meta tensors: the fake function without a GPU; with the extension, the
+    # C++ autograd kernel refuses inputs that want gradients
+    ops = torch.ops.groupnorm_inline
+    x = torch.empty(2, 8, 3, 5, device="meta").to(memory_format=torch.channels_last)
+    scale = torch.empty(2, 8, device="meta")
+    y, mean, rstd = ops.forward_fused(x, None, None, 4, 1e-5, scale, None, None, [0], 0.01)
+    assert y.stride() == x.stride() and mean.shape == rstd.shape == (2, 4)
+    try:
+        gn.load()
+    except gn.ToolchainError as error:
+        pytest.skip(f"the extension cannot be built here: {error}")
+    for key in ("CUDA", "Autograd"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key("groupnorm_inline::forward_fused", key)
+    with pytest.raises(NotImplementedError, match="fused backward"):
+        ops.forward_fused(x, None, None, 4, 1e-5, scale.requires_grad_(), None, None, [0], 0.01)
+    with torch.no_grad():
+        assert ops.forward_fused(x, None, None, 4, 1e-5, scale, None, None, [0], 0.01)[0].is_meta
 
 
 # ---------------------------------------------------------------------------
@@ -3009,14 +3042,26 @@ def test_gpu_epilogue_bad_arguments():
 
 
 @cuda
-def test_gpu_epilogue_under_torch_compile_raises():
-    x = torch.randn(2, 16, 6, 6, device="cuda")
-    layer = gn.GroupNorm(4, 16, activation="silu").cuda()
-    for fn in (lambda t: gn.group_norm(t, 4, activation="silu"), layer):
-        for fullgraph in (True, False):
-            with torch.no_grad(), pytest.raises(Exception, match="not yet supported under torch.compile"):
-                torch.compile(fn, fullgraph=fullgraph)(x)
-            torch._dynamo.reset()
+def test_gpu_epilogue_under_torch_compile():
+    # inference graphs call the fused operator: the eager result, bitwise;
+    # with gradients wanted the trace refuses, naming the missing backward
+    x = make_input((2, 16, 6, 6), torch.float16, "channels_last", "cuda")
+    s = torch.randn(2, 16, 1, 1, device="cuda").half()
+    layer = gn.GroupNorm(4, 16, activation="silu").cuda().half()
+    functions = [lambda t: gn.group_norm(t, 4, scale=s, shift=s[:, :, 0, 0], activation="gelu",
+                                         residual=t),
+                 layer]
+    for fn in functions:
+        with torch.no_grad():
+            expected = fn(x)
+            for fullgraph in (True, False):
+                torch._dynamo.reset()
+                torch.testing.assert_close(torch.compile(fn, fullgraph=fullgraph)(x), expected,
+                                           rtol=0, atol=0)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="fused backward"):
+            torch.compile(fn, fullgraph=True)(x.detach().requires_grad_())
+    torch._dynamo.reset()
 
 
 @cuda

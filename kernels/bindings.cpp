@@ -22,7 +22,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "[y, mean, rstd]");
   m.def("backward", &backward, "GroupNorm backward: [dx, dweight, dbias]");
   m.def("register_kernels", &register_kernels,
-        "Registers the CUDA and autograd kernels of <namespace>::forward and ::backward");
+        "Registers the CUDA and autograd kernels of <namespace>::forward, ::backward and "
+        "::forward_fused");
   m.def(
       "plan",
       [](const at::Tensor& x, int64_t groups, const std::string& kernel, int64_t team,

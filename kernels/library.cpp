@@ -1,4 +1,5 @@
-// The kernels of the operators <ns>::forward and <ns>::backward, registered
+// The kernels of the operators <ns>::forward, ::backward and ::forward_fused
+// (the forward with the epilogue of epilogue.cuh; forward only), registered
 // with torch's dispatcher from C++: the CUDA entry points of ops.cpp and
 // their autograd. Eager calls, torch.compile'd graphs and torch.export'd
 // programs all reach these, so there is one autograd, and a call costs the
@@ -25,10 +26,15 @@ using ForwardOp = Outputs(const at::Tensor&, const c10::optional<at::Tensor>&,
 using BackwardOp = Outputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                            const at::Tensor&, const c10::optional<at::Tensor>&, int64_t, bool,
                            bool);
+using ForwardFusedOp = Outputs(const at::Tensor&, const c10::optional<at::Tensor>&,
+                               const c10::optional<at::Tensor>&, int64_t, double,
+                               const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                               const c10::optional<at::Tensor>&, c10::IntArrayRef, double);
 
 struct Operators {
   c10::TypedOperatorHandle<ForwardOp> forward;
   c10::TypedOperatorHandle<BackwardOp> backward;
+  c10::TypedOperatorHandle<ForwardFusedOp> forward_fused;
 };
 
 // Set once by register_kernels, before any kernel below can run.
@@ -47,6 +53,16 @@ Outputs backward_cuda(const at::Tensor& dy, const at::Tensor& x, const at::Tenso
                       const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
                       int64_t groups, bool need_dx, bool need_affine) {
   return as_tuple(::backward(dy, x, mean, rstd, weight, groups, need_dx, need_affine, "auto", 0));
+}
+
+Outputs forward_fused_cuda(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                           const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
+                           const c10::optional<at::Tensor>& scale,
+                           const c10::optional<at::Tensor>& shift,
+                           const c10::optional<at::Tensor>& residual,
+                           c10::IntArrayRef activations, double slope) {
+  return as_tuple(::forward_fused(x, weight, bias, groups, eps, "auto", 0, 0, scale, shift,
+                                  residual, activations.vec(), slope));
 }
 
 const char* const kNoDoubleBackward =
@@ -124,6 +140,29 @@ Outputs forward_autograd(const at::Tensor& x, const c10::optional<at::Tensor>& w
   return as_tuple(GroupNormFunction::apply(x, weight, bias, groups, eps));
 }
 
+// The fused forward has no backward yet: with gradients wanted it refuses
+// (also while torch.compile traces a training graph), instead of returning
+// outputs that silently have none.
+Outputs forward_fused_autograd(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
+                               const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
+                               const c10::optional<at::Tensor>& scale,
+                               const c10::optional<at::Tensor>& shift,
+                               const c10::optional<at::Tensor>& residual,
+                               c10::IntArrayRef activations, double slope) {
+  bool wanted = x.requires_grad();
+  for (const auto* t : {&weight, &bias, &scale, &shift, &residual}) {
+    wanted = wanted || (t->has_value() && (*t)->defined() && (*t)->requires_grad());
+  }
+  TORCH_CHECK_NOT_IMPLEMENTED(
+      !(wanted && at::GradMode::is_enabled()),
+      "groupnorm_inline: the fused backward of scale, shift, activation and residual is not "
+      "implemented yet; run the fused forward without gradients (torch.no_grad(), or tensors "
+      "that do not require grad), or apply these ops after group_norm");
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return operators->forward_fused.call(x, weight, bias, groups, eps, scale, shift, residual,
+                                       activations, slope);
+}
+
 }  // namespace
 
 void register_kernels(const std::string& ns) {
@@ -131,15 +170,19 @@ void register_kernels(const std::string& ns) {
   auto& dispatcher = c10::Dispatcher::singleton();
   operators = new Operators{
       dispatcher.findSchemaOrThrow((ns + "::forward").c_str(), "").typed<ForwardOp>(),
-      dispatcher.findSchemaOrThrow((ns + "::backward").c_str(), "").typed<BackwardOp>()};
+      dispatcher.findSchemaOrThrow((ns + "::backward").c_str(), "").typed<BackwardOp>(),
+      dispatcher.findSchemaOrThrow((ns + "::forward_fused").c_str(), "")
+          .typed<ForwardFusedOp>()};
   // The registrations last as long as the process, as TORCH_LIBRARY_IMPL's do.
   static std::vector<std::unique_ptr<torch::Library>> libraries;
   libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, ns,
                                                        c10::DispatchKey::CUDA, __FILE__, __LINE__));
   libraries.back()->impl("forward", TORCH_FN(forward_cuda));
   libraries.back()->impl("backward", TORCH_FN(backward_cuda));
+  libraries.back()->impl("forward_fused", TORCH_FN(forward_fused_cuda));
   libraries.push_back(std::make_unique<torch::Library>(
       torch::Library::IMPL, ns, c10::DispatchKey::Autograd, __FILE__, __LINE__));
   libraries.back()->impl("forward", TORCH_FN(forward_autograd));
   libraries.back()->impl("backward", TORCH_FN(backward_autograd));
+  libraries.back()->impl("forward_fused", TORCH_FN(forward_fused_autograd));
 }

@@ -32,9 +32,10 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
                                       const c10::optional<at::Tensor>& residual,
                                       const std::vector<int64_t>& activations, double slope);
 
-// Registers forward() and backward() as the CUDA and autograd kernels of the
-// operators <ns>::forward and <ns>::backward, whose schemas the caller has
-// defined (library.cpp). Once per process.
+// Registers forward(), backward() and forward_fused() as the CUDA and
+// autograd kernels of the operators <ns>::forward, ::backward and
+// ::forward_fused, whose schemas the caller has defined (library.cpp). Once
+// per process.
 void register_kernels(const std::string& ns);
 
 // Returns [dx, dweight, dbias]; each is an empty tensor when not asked for.
