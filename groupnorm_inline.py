@@ -1350,6 +1350,85 @@ def _rewrite_group_norms(graph, devices=("cuda",)):
     return replaced
 
 
+# What Dynamo traces of nn.SiLU, F.silu, torch.tanh, ...: target -> (the
+# kernels' name for it, its parameters after the input, in order).
+_GRAPH_ACTIVATIONS = {
+    F.silu: ("silu", ("inplace",)), F.relu: ("relu", ("inplace",)), torch.relu: ("relu", ()),
+    torch.tanh: ("tanh", ()), F.tanh: ("tanh", ()), torch.sigmoid: ("sigmoid", ()),
+    F.sigmoid: ("sigmoid", ()), F.hardswish: ("hardswish", ("inplace",)),
+    F.mish: ("mish", ("inplace",)), F.gelu: ("gelu", ("approximate",)),
+    F.leaky_relu: ("leaky_relu", ("negative_slope", "inplace")),
+}
+
+
+def _graph_activation(node, source):
+    """(name, slope) of the activation `node` computes of `source` alone, as
+    the kernels name it (inplace forms too: `source` has no other user), or
+    None."""
+    if (node.op != "call_function" or node.target not in _GRAPH_ACTIVATIONS or not node.args
+            or node.args[0] is not source):
+        return None
+    name, parameters = _GRAPH_ACTIVATIONS[node.target]
+    if len(node.args) - 1 > len(parameters) or not set(node.kwargs) <= set(parameters):
+        return None
+    arguments = {**dict(zip(parameters, node.args[1:])), **node.kwargs}
+    if name == "gelu":
+        return {"none": ("gelu", None), "tanh": ("gelu_tanh", None)}.get(
+            arguments.get("approximate", "none"))
+    if name == "leaky_relu":
+        slope = arguments.get("negative_slope", _LEAKY_SLOPE)
+        number = isinstance(slope, (int, float)) and not isinstance(slope, bool)
+        return (name, float(slope)) if number and math.isfinite(slope) else None
+    return name, None
+
+
+def _fuse_activations(graph):
+    """In a pre-grad FX graph, folds the activations that follow each
+    <ns>::forward call (its output's only user, then that one's, up to
+    _MAX_ACTIVATIONS, one leaky_relu slope a chain) into one
+    <ns>::forward_fused call: one pass over the tensor instead of one more
+    per activation. Only where no gradient flows (the output does not
+    require grad: inference, torch.no_grad()), since the fused forward has no
+    backward yet. Returns how many calls it fused."""
+    import operator
+
+    fused = 0
+    for node in list(graph.nodes):
+        # Dynamo records the overload packet, the rewrite above the overload
+        if (node.op != "call_function" or node.target not in (_OPS.forward, _OPS.forward.default)
+                or node.kwargs or len(node.args) != 5):
+            continue
+        users = list(node.users)
+        if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
+            continue
+        value = users[0].meta.get("example_value")
+        if not isinstance(value, torch.Tensor) or value.requires_grad:
+            continue
+        chain, slope, last = [], None, users[0]
+        while len(chain) < _MAX_ACTIVATIONS and len(last.users) == 1:
+            user = next(iter(last.users))
+            step = _graph_activation(user, last)
+            if step is None or (step[1] is not None and slope not in (None, step[1])):
+                break
+            chain.append((user, step[0]))
+            slope = step[1] if step[1] is not None else slope
+            last = user
+        if not chain:
+            continue
+        codes = [_ACTIVATION_CODES[name] for _, name in chain]
+        with graph.inserting_before(node):
+            outputs = graph.call_function(_OPS.forward_fused.default,
+                                          (*node.args, None, None, None, codes,
+                                           _LEAKY_SLOPE if slope is None else slope))
+            y = graph.call_function(operator.getitem, (outputs, 0))
+        y.meta.update(last.meta)
+        last.replace_all_uses_with(y)
+        for dead in [user for user, _ in reversed(chain)] + [users[0], node]:
+            graph.erase_node(dead)
+        fused += 1
+    return fused
+
+
 _compile_pass = None  # the pass enable_compile_fusion installed
 
 
@@ -1358,9 +1437,10 @@ def enable_compile_fusion():
     from now on (the default backend) run torch's own nn.GroupNorm and
     F.group_norm on CUDA tensors as this module's operator, forward and
     backward, without changing the model. (Our GroupNorm and group_norm
-    reach the operator anyway.) A CustomGraphPass with a uuid(), so
-    Inductor's FX graph cache keeps working. Returns nothing; see
-    disable_compile_fusion."""
+    reach the operator anyway.) In graphs without gradients (inference), the
+    activations right after a GroupNorm run inside its kernel
+    (_fuse_activations). A CustomGraphPass with a uuid(), so Inductor's FX
+    graph cache keeps working. Returns nothing; see disable_compile_fusion."""
     global _compile_pass
     from torch._inductor import config
 
@@ -1403,10 +1483,14 @@ def _group_norm_pass_class():
     class _GroupNormPass(CustomGraphPass):
         def __call__(self, graph):
             _rewrite_group_norms(graph)
+            _fuse_activations(graph)
 
         def uuid(self):
-            code = marshal.dumps(_rewrite_group_norms.__code__)
-            return hashlib.sha256(code + _NAMESPACE.encode() + __version__.encode()).hexdigest()
+            code = b"".join(marshal.dumps(f.__code__) for f in
+                            (_rewrite_group_norms, _graph_activation, _fuse_activations))
+            table = str([(f.__name__, entry) for f, entry in _GRAPH_ACTIVATIONS.items()])
+            key = code + table.encode() + _NAMESPACE.encode() + __version__.encode()
+            return hashlib.sha256(key).hexdigest()
 
     _GroupNormPass.__module__, _GroupNormPass.__qualname__ = __name__, "_GroupNormPass"
     return _GroupNormPass

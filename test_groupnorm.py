@@ -2821,6 +2821,67 @@ def test_compile_pass_rewrites_torch_group_norm_it_serves_exactly():
     assert gn._rewrite_group_norms(gm.graph) == 0
 
 
+def _fused_calls(gm):
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and n.target is gn._OPS.forward_fused.default]
+
+
+def test_compile_pass_fuses_the_activation_after_group_norm_without_gradients():
+    block = nn.Sequential(nn.Conv2d(4, 8, 3), nn.GroupNorm(2, 8), nn.SiLU())
+    x = torch.randn(1, 4, 8, 8)
+    with torch.no_grad():
+        gm = _dynamo_graph(block, x)
+    assert gn._rewrite_group_norms(gm.graph, devices=("cpu",)) == 1
+    assert gn._fuse_activations(gm.graph) == 1
+    (fused,) = _fused_calls(gm)
+    assert fused.args[5:] == (None, None, None, [gn._ACTIVATION_CODES["silu"]], 0.01)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert F.silu not in targets and gn._OPS.forward.default not in targets
+    gm.graph.lint()
+    # where gradients flow (training) the fused forward, which has no
+    # backward yet, is not used
+    gm = _dynamo_graph(block, x)
+    assert gn._rewrite_group_norms(gm.graph, devices=("cpu",)) == 1
+    assert gn._fuse_activations(gm.graph) == 0
+
+
+def used_twice(t):
+    y = F.group_norm(t, 2)
+    return F.silu(y) + y
+
+
+@pytest.mark.parametrize("case", ["chain", "gelu tanh", "two slopes", "output used twice",
+                                  "the operator", "not an activation"])
+def test_compile_pass_fuses_what_the_kernels_compute(case):
+    w, b = torch.randn(8), torch.randn(8)
+    codes = gn._ACTIVATION_CODES
+    functions = {
+        "chain": (lambda t: F.hardswish(torch.tanh(F.group_norm(t, 2, w, b))),
+                  [codes["tanh"], codes["hardswish"]], 0.01),
+        "gelu tanh": (lambda t: F.gelu(F.group_norm(t, 2, w, b), approximate="tanh"),
+                      [codes["gelu_tanh"]], 0.01),
+        # one slope a chain: the second leaky_relu stays a graph op
+        "two slopes": (lambda t: F.leaky_relu(F.leaky_relu(F.group_norm(t, 2), 0.2), 0.3),
+                       [codes["leaky_relu"]], 0.2),
+        "output used twice": (used_twice, None, None),
+        # the operator itself in the graph (what our group_norm traces to)
+        "the operator": (lambda t: F.relu(gn._OPS.forward(t, None, None, 2, 1e-5)[0]),
+                         [codes["relu"]], 0.01),
+        "not an activation": (lambda t: F.softplus(F.group_norm(t, 2)), None, None),
+    }
+    fn, expected_codes, slope = functions[case]
+    with torch.no_grad():
+        gm = _dynamo_graph(fn, torch.randn(2, 8, 5))
+    gn._rewrite_group_norms(gm.graph, devices=("cpu",))
+    fused = gn._fuse_activations(gm.graph)
+    gm.graph.lint()
+    if expected_codes is None:
+        assert fused == 0 and not _fused_calls(gm)
+        return
+    (call,) = _fused_calls(gm)
+    assert fused == 1 and call.args[8:] == (expected_codes, slope)
+
+
 @pytest.mark.parametrize("case", ["weight of another dtype", "autocast"])
 def test_compile_pass_leaves_what_torch_must_compute(case):
     x, w = torch.randn(2, 8, 5), torch.randn(8)
@@ -2853,13 +2914,17 @@ def test_enable_compile_fusion_installs_one_pass_with_a_uuid(monkeypatch):
     assert config.pre_grad_custom_pass is None and gn._compile_pass is None
 
 
+def conv_norm_silu(dtype):
+    """A conv -> torch's GroupNorm -> SiLU block on the GPU and an input."""
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.SiLU())
+    return model.cuda().to(dtype), torch.randn(2, 16, 12, 12, device="cuda", dtype=dtype)
+
+
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_compile_fusion_runs_our_kernels_for_torchs_group_norm(dtype):
     from torch.profiler import ProfilerActivity, profile
-    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.SiLU()).cuda()
-    model = model.to(dtype)
-    x = torch.randn(2, 16, 12, 12, device="cuda", dtype=dtype)
+    model, x = conv_norm_silu(dtype)
 
     def output_and_grads(module, t):
         module.zero_grad()
@@ -2888,6 +2953,33 @@ def test_gpu_compile_fusion_runs_our_kernels_for_torchs_group_norm(dtype):
                                        fused, eager, exact):
         slack = 4 * torch.finfo(dtype).eps * ref.abs().max().item()
         assert tools.max_error(ours, ref) <= 2 * tools.max_error(theirs, ref) + slack, name
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_compile_fusion_fuses_the_activation_in_inference(dtype):
+    # under torch.no_grad the SiLU after torch's GroupNorm runs inside our
+    # kernel: every groupnorm kernel launched is a fused instantiation
+    from torch.profiler import ProfilerActivity, profile
+    model, x = conv_norm_silu(dtype)
+    with torch.no_grad():
+        exact = copy.deepcopy(model).double()(x.double())
+        eager = model(x)
+        gn.enable_compile_fusion()
+        try:
+            torch._dynamo.reset()
+            compiled = torch.compile(model, fullgraph=True)
+            compiled(x)
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out = compiled(x)
+                torch.cuda.synchronize()
+        finally:
+            gn.disable_compile_fusion()
+            torch._dynamo.reset()
+    kernels = [e.name for e in prof.events() if "groupnorm" in e.name]
+    assert kernels and all(k.split("(")[0].endswith("true>") for k in kernels), kernels
+    slack = 4 * torch.finfo(dtype).eps * exact.abs().max().item()
+    assert tools.max_error(out, exact) <= 2 * tools.max_error(eager, exact) + slack
 
 
 # ---------------------------------------------------------------------------
