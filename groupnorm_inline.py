@@ -593,14 +593,20 @@ def _torch_epilogue(y, epilogue):
 
 
 def _fused_call(caller, epilogue, gamma, beta, groups, eps, kernel, team, lag, x):
-    """The forward with the epilogue, without gradients (the fused backward
-    comes later): the bare extension call in eager mode; where torch.compile
-    or torch.export trace (the automatic kernel only), the operator
-    <ns>::forward_fused."""
-    if _needs_grad(x, gamma, beta, *epilogue.tensors()):
-        _refuse_fused_backward(caller)
-    if torch.compiler.is_compiling():
-        _kernels_loaded()
+    """The forward with the epilogue: the operator <ns>::forward_fused where
+    gradients are wanted (its autograd is C++, kernels/library.cpp) and where
+    torch.compile / torch.export trace; else the bare extension call, which
+    also takes forced kernels (forward-only eager tests)."""
+    compiling = torch.compiler.is_compiling()
+    if compiling or _needs_grad(x, gamma, beta, *epilogue.tensors()):
+        if (kernel, team, lag) != ("auto", 0, 0):
+            raise GroupNormError(f"{caller}: kernel/team/lag overrides are for forward-only eager "
+                                 "tests: they record no gradients and torch.compile cannot "
+                                 "trace them")
+        if compiling:
+            _kernels_loaded()
+        else:
+            load()  # the operator's kernels are the extension's
         return _OPS.forward_fused(x, gamma, beta, groups, eps, epilogue.scale, epilogue.shift,
                                   epilogue.residual, epilogue.codes(), epilogue.slope())[0]
     return load().forward_fused(x, gamma, beta, groups, eps, kernel, team, lag, epilogue.scale,
@@ -619,9 +625,8 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     dtype and memory format.
 
     scale, shift, activation, residual: the fused epilogue, as in group_norm
-    (tensors of x's dtype and device); forward only for now (no gradients;
-    torch.compile and torch.export trace it as the operator
-    <ns>::forward_fused).
+    (tensors of x's dtype and device), gradients included (torch.compile and
+    torch.export trace it as the operator <ns>::forward_fused).
 
     For tests and tuning (forward only, eager only; 0 = automatic):
     `kernel` forces a kernel: "auto", "reference", "registers", "contiguous",
@@ -679,17 +684,6 @@ def _kernels_loaded():
     the operators, whose kernels the extension registers when it loads."""
     load()
     return True
-
-
-@_traced_as_constant
-def _refuse_fused_backward(caller):
-    """Raises for a call with an epilogue whose gradients are wanted; called
-    as a constant while torch.compile traces, so that it raises there too
-    (Dynamo reports the GroupNormError inside its own error)."""
-    raise GroupNormError(f"{caller}: the fused backward of scale, shift, activation and "
-                         "residual is not implemented yet; call it without gradients "
-                         "(torch.no_grad(), or tensors that do not require grad), or apply "
-                         "these ops after group_norm")
 
 
 def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False):
@@ -755,10 +749,11 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
     kernels, in float (double for float64 input) before rounding to the
     output dtype; a residual whose strides differ from the output's (the
     input's layout) is first copied into that layout, a pass over its bytes.
-    Forward only for now: with gradients needed it raises GroupNormError, and
-    so does torch.compile. CPU tensors (and mixed dtypes or devices of weight
-    and bias, which go to torch) compute it by the torch ops above, one after
-    another, gradients included.
+    With gradients, the backward recomputes the value before the activations
+    (one pass over the input) and takes the chain back by torch's formulas;
+    nothing full-size is saved beyond the input. CPU tensors (and mixed
+    dtypes or devices of weight and bias, which go to torch) compute it by
+    the torch ops above, one after another, gradients included.
 
     CUDA tensors run this module's kernels, forward and backward (through the
     registered op groupnorm_inline::forward under torch.compile / export).
@@ -1066,8 +1061,8 @@ class GroupNorm(nn.GroupNorm):
     print(model) tells these layers from torch's.
 
     activation (keyword only): applied after the affine inside the kernel, as
-    group_norm's `activation` (forward only on CUDA for now). A plain
-    attribute, not in the state_dict; the repr shows it when set."""
+    group_norm's `activation`. A plain attribute, not in the state_dict; the
+    repr shows it when set."""
 
     # set by replace_groupnorm when an nn.Sequential runs this layer right
     # before an activation a fused kernel could apply (see _activation_name)
@@ -1166,7 +1161,7 @@ class GroupNormAct(GroupNorm):
         return _activation_name(self.act)
 
     def forward(self, input):
-        # unfused: the fused epilogue has no backward yet, and drop runs between
+        # unfused: drop runs between (and is timm's to change)
         return self.act(self.drop(super().forward(input)))
 
 
@@ -1388,8 +1383,9 @@ def _fuse_activations(graph):
     _MAX_ACTIVATIONS, one leaky_relu slope a chain) into one
     <ns>::forward_fused call: one pass over the tensor instead of one more
     per activation. Only where no gradient flows (the output does not
-    require grad: inference, torch.no_grad()), since the fused forward has no
-    backward yet. Returns how many calls it fused."""
+    require grad: inference, torch.no_grad()): in training the fused backward
+    recomputes what it did not save, and its cost against the unfused pair
+    is not measured yet. Returns how many calls it fused."""
     import operator
 
     fused = 0

@@ -1252,35 +1252,9 @@ def test_fused_call_reaches_the_extension_with_codes_and_slope(monkeypatch):
     assert plain == ("forward", "stream", 0, 4) and plain2 == ("forward", "auto", 0, 0)
 
 
-def test_fused_call_with_gradients_raises(monkeypatch):
-    calls = fake_fused_extension(monkeypatch)
-    x = torch.randn(2, 6, 4).as_subclass(PretendCuda)
-    needs = [
-        dict(input=x.detach().requires_grad_(), activation="silu"),
-        dict(input=x, activation="silu", weight=torch.ones(6, requires_grad=True)),
-        dict(input=x, scale=torch.randn(2, 6, requires_grad=True)),
-        dict(input=x, residual=torch.randn(2, 6, 4, requires_grad=True)),
-    ]
-    for kwargs in needs:
-        with pytest.raises(ValueError, match="fused backward of scale, shift, activation and "
-                                             "residual is not implemented yet"):
-            gn.group_norm(num_groups=3, **kwargs)
-        with torch.no_grad():
-            gn.group_norm(num_groups=3, **kwargs)
-    layer = gn.GroupNorm(3, 6, activation="relu")
-    with pytest.raises(ValueError, match="fused backward"):
-        layer(x)
-    with pytest.raises(ValueError, match="fused backward"):
-        gn.groupnorm_cuda(x, None, None, 3, kernel="reference", scale=torch.randn(2, 6, requires_grad=True))
-    assert len(calls) == len(needs)  # only the no_grad calls ran
-    # without the epilogue, gradients take the operator as before: no error here
-    assert gn._needs_grad(x.detach().requires_grad_()) and not gn._needs_grad(x, None)
-
-
-def test_fused_call_under_torch_compile_calls_the_operator(monkeypatch):
-    # where torch.compile traces, the epilogue reaches <ns>::forward_fused
-    # (automatic kernel, activation codes and slope), not the bare extension
-    calls = fake_fused_extension(monkeypatch)
+def recorded_operators(monkeypatch):
+    """gn._OPS stood in for: each forward_fused call's epilogue arguments
+    (scale, shift, residual, codes, slope) recorded, the input returned."""
     ops = []
 
     class Operators:
@@ -1289,6 +1263,116 @@ def test_fused_call_under_torch_compile_calls_the_operator(monkeypatch):
             return torch.Tensor.clone(args[0]), None, None
 
     monkeypatch.setattr(gn, "_OPS", Operators())
+    return ops
+
+
+def test_fused_call_with_gradients_takes_the_operator(monkeypatch):
+    # gradients wanted: the operator (its C++ autograd); none: the extension
+    calls = fake_fused_extension(monkeypatch)
+    ops = recorded_operators(monkeypatch)
+    x = torch.randn(2, 6, 4).as_subclass(PretendCuda)
+    needs = [
+        dict(input=x.detach().requires_grad_(), activation="silu"),
+        dict(input=x, activation="silu", weight=torch.ones(6, requires_grad=True)),
+        dict(input=x, scale=torch.randn(2, 6, requires_grad=True)),
+        dict(input=x, residual=torch.randn(2, 6, 4, requires_grad=True)),
+    ]
+    for kwargs in needs:
+        gn.group_norm(num_groups=3, **kwargs)
+        with torch.no_grad():
+            gn.group_norm(num_groups=3, **kwargs)
+    gn.GroupNorm(3, 6, activation="relu")(x)  # its parameters want gradients
+    assert len(ops) == len(needs) + 1 and len(calls) == len(needs)
+    with pytest.raises(ValueError, match="overrides are for forward-only"):
+        gn.groupnorm_cuda(x, None, None, 3, kernel="reference", scale=torch.randn(2, 6, requires_grad=True))
+
+
+def _group_stats(x, groups):
+    view = x.reshape(x.shape[0], groups, -1)
+    var, mean = torch.var_mean(view, dim=-1, correction=0)
+    return view, mean, var
+
+
+@pytest.fixture
+def operators_on_the_cpu():
+    """CPU kernels for the three operators, by torch ops in the input's
+    dtype (the CUDA kernels' definitions): the C++ autograd functions then
+    run on CPU tensors, numbers included."""
+    try:
+        gn.load()
+    except gn.ToolchainError as error:
+        pytest.skip(f"the extension cannot be built here: {error}")
+    names = {code: name for name, code in gn._ACTIVATION_CODES.items()}
+
+    def forward(x, weight, bias, groups, eps):
+        _, mean, var = _group_stats(x, groups)
+        return F.group_norm(x, groups, weight, bias, eps), mean, (var + eps).rsqrt()
+
+    def backward(dy, x, mean, rstd, weight, groups, need_dx, need_affine):
+        N, C = x.shape[:2]
+        view = x.reshape(N, groups, C // groups, -1)
+        xhat = (view - mean[:, :, None, None]) * rstd[:, :, None, None]
+        dyv = dy.reshape(view.shape)
+        g = dyv if weight is None else dyv * weight.reshape(1, groups, -1, 1)
+        mean_g = g.mean((2, 3), keepdim=True)
+        mean_gx = (g * xhat).mean((2, 3), keepdim=True)
+        dx = ((g - mean_g - xhat * mean_gx) * rstd[:, :, None, None]).reshape(x.shape)
+        affine = [(dyv * xhat).sum((0, 3)).reshape(C), dyv.sum((0, 3)).reshape(C)]
+        empty = x.new_empty(0)
+        return (dx if need_dx else empty, *(affine if need_affine else (empty, empty)))
+
+    def forward_fused(x, weight, bias, groups, eps, scale, shift, residual, activations, slope):
+        y, mean, rstd = forward(x, weight, bias, groups, eps)
+        steps = tuple((names[c], slope if names[c] == "leaky_relu" else None) for c in activations)
+        epilogue = gn._Epilogue(scale, shift, residual, steps)
+        return gn._torch_epilogue(y, epilogue), mean, rstd
+
+    library = torch.library.Library("groupnorm_inline", "IMPL")
+    for name, fn in (("forward", forward), ("backward", backward), ("forward_fused", forward_fused)):
+        library.impl(name, fn, "CPU")
+    yield
+    library._destroy()
+
+
+@pytest.mark.parametrize("chain", [[], ["silu"], ["tanh", "hardswish"], ["leaky_relu", "mish"],
+                                   ["gelu_tanh", "sigmoid", "relu"]])
+@pytest.mark.parametrize("wanted", ["all", "x", "affine", "epilogue"])
+def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_cpu, chain, wanted):
+    # the C++ fused backward (recompute, the chain back, scale and shift sums,
+    # the plain backward operator) against torch's autograd of the unfused
+    # sequence, in float64, for each subset of wanted gradients
+    torch.manual_seed(len(chain))
+    x = torch.randn(3, 8, 5, 4, dtype=torch.float64) + 2
+    values = dict(x=x, weight=torch.randn(8, dtype=torch.float64),
+                  bias=torch.randn(8, dtype=torch.float64),
+                  scale=0.5 * torch.randn(3, 8, dtype=torch.float64),
+                  shift=torch.randn(3, 8, dtype=torch.float64),
+                  residual=torch.randn_like(x))
+    wants = {"all": set(values), "x": {"x"}, "affine": {"weight", "bias"},
+             "epilogue": {"scale", "shift", "residual"}}[wanted]
+    codes = [gn._ACTIVATION_CODES[name] for name in chain]
+    dy = torch.randn_like(x)
+
+    def gradients(run):
+        leaves = {k: v.clone().requires_grad_(k in wants) for k, v in values.items()}
+        y = run(**leaves)
+        return dict(zip(sorted(wants), torch.autograd.grad(y, [leaves[k] for k in sorted(wants)], dy)))
+
+    ours = gradients(lambda x, weight, bias, scale, shift, residual: torch.ops.groupnorm_inline.forward_fused(
+        x, weight, bias, 4, 1e-5, scale, shift, residual, codes, 0.2)[0])
+    steps = tuple(("leaky_relu", 0.2) if n == "leaky_relu" else n for n in chain)
+    theirs = gradients(lambda x, weight, bias, scale, shift, residual: apply_epilogue(
+        F.group_norm(x, 4, weight, bias, 1e-5), scale=scale, shift=shift, residual=residual,
+        activation=steps or None))
+    for key in wants:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-9, atol=1e-9, msg=key)
+
+
+def test_fused_call_under_torch_compile_calls_the_operator(monkeypatch):
+    # where torch.compile traces, the epilogue reaches <ns>::forward_fused
+    # (automatic kernel, activation codes and slope), not the bare extension
+    calls = fake_fused_extension(monkeypatch)
+    ops = recorded_operators(monkeypatch)
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     x = torch.randn(2, 6, 4).as_subclass(PretendCuda)
     shift = torch.randn(2, 6)
@@ -1297,13 +1381,12 @@ def test_fused_call_under_torch_compile_calls_the_operator(monkeypatch):
     assert calls == []
     assert ops[0] == (None, None, None, [gn._ACTIVATION_CODES["leaky_relu"]], 0.2)
     assert torch.equal(ops[1][1], shift) and ops[1][3] == [gn._ACTIVATION_CODES["silu"]]
-    with pytest.raises(ValueError, match="fused backward"):
-        gn.group_norm(x.detach().requires_grad_(), 3, activation="silu")
 
 
-def test_fused_operator_is_defined_and_refuses_gradients():
+def test_fused_operator_is_defined_with_its_autograd():
     # meta tensors: the fake function without a GPU; with the extension, the
-    # C++ autograd kernel refuses inputs that want gradients
+    # C++ autograd kernel records the fused backward: gradients of every
+    # input's shape, and double backward refused
     ops = torch.ops.groupnorm_inline
     x = torch.empty(2, 8, 3, 5, device="meta").to(memory_format=torch.channels_last)
     scale = torch.empty(2, 8, device="meta")
@@ -1315,10 +1398,24 @@ def test_fused_operator_is_defined_and_refuses_gradients():
         pytest.skip(f"the extension cannot be built here: {error}")
     for key in ("CUDA", "Autograd"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key("groupnorm_inline::forward_fused", key)
-    with pytest.raises(NotImplementedError, match="fused backward"):
-        ops.forward_fused(x, None, None, 4, 1e-5, scale.requires_grad_(), None, None, [0], 0.01)
-    with torch.no_grad():
-        assert ops.forward_fused(x, None, None, 4, 1e-5, scale, None, None, [0], 0.01)[0].is_meta
+    leaves = [x.detach().requires_grad_(), torch.empty(8, device="meta", requires_grad=True),
+              torch.empty(8, device="meta", requires_grad=True), scale.requires_grad_(),
+              torch.empty(2, 8, device="meta", requires_grad=True),
+              torch.empty_like(x).requires_grad_()]
+    codes = [gn._ACTIVATION_CODES[name] for name in ("silu", "tanh", "relu")]
+    inputs, weight, bias, s, t, residual = leaves
+    y = ops.forward_fused(inputs, weight, bias, 4, 1e-5, s, t, residual, codes, 0.01)[0]
+    grads = torch.autograd.grad(y.sum(), leaves)
+    assert [g.shape for g in grads] == [v.shape for v in leaves]
+    # weight only: the others are not asked for
+    (dweight,) = torch.autograd.grad(
+        ops.forward_fused(inputs.detach(), weight, None, 4, 1e-5, None, None, None, [], 0.01)[0].sum(),
+        weight)
+    assert dweight.shape == weight.shape
+    (dx,) = torch.autograd.grad(ops.forward_fused(inputs, None, None, 4, 1e-5, s, None, None,
+                                                  codes, 0.01)[0].sum(), inputs, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        dx.sum().backward()
 
 
 # ---------------------------------------------------------------------------
@@ -3113,9 +3210,6 @@ def test_gpu_epilogue_bad_arguments():
         (lambda: gn.group_norm(x, 3, scale=torch.randn(2, 6, 4, device="cuda")), ValueError,
          "scale must have shape (N, C) = (2, 6)"),
         (lambda: gn.group_norm(x, 3, activation="swish"), ValueError, "unknown activation"),
-        (lambda: gn.group_norm(x.detach().requires_grad_(), 3, activation="silu"), ValueError,
-         "fused backward"),
-        (lambda: gn.GroupNorm(3, 6, activation="silu").cuda()(x), ValueError, "fused backward"),
         # the extension's own checks
         (lambda: ext.forward_fused(x, None, None, 3, 1e-5, "auto", 0, 0, None, None, None, [9], 0.01),
          ValueError, "unknown activation code 9"),
@@ -3135,8 +3229,9 @@ def test_gpu_epilogue_bad_arguments():
 
 @cuda
 def test_gpu_epilogue_under_torch_compile():
-    # inference graphs call the fused operator: the eager result, bitwise;
-    # with gradients wanted the trace refuses, naming the missing backward
+    # graphs call the fused operator: the eager result, bitwise, without
+    # gradients; with them, the eager gradients (Inductor compiles the
+    # backward's torch ops its own way)
     x = make_input((2, 16, 6, 6), torch.float16, "channels_last", "cuda")
     s = torch.randn(2, 16, 1, 1, device="cuda").half()
     layer = gn.GroupNorm(4, 16, activation="silu").cuda().half()
@@ -3150,10 +3245,71 @@ def test_gpu_epilogue_under_torch_compile():
                 torch._dynamo.reset()
                 torch.testing.assert_close(torch.compile(fn, fullgraph=fullgraph)(x), expected,
                                            rtol=0, atol=0)
+        dy = torch.randn_like(x)
+        leaf = x.detach().requires_grad_()
+        (eager,) = torch.autograd.grad(fn(leaf), leaf, dy)
         torch._dynamo.reset()
-        with pytest.raises(Exception, match="fused backward"):
-            torch.compile(fn, fullgraph=True)(x.detach().requires_grad_())
+        (compiled,) = torch.autograd.grad(torch.compile(fn, fullgraph=True)(leaf), leaf, dy)
+        torch.testing.assert_close(compiled, eager, rtol=2e-2, atol=2e-2)
     torch._dynamo.reset()
+
+
+def epilogue_leaves(x, w, b, args):
+    """x, w, b and the epilogue's tensors as fresh leaves that want gradients,
+    and the epilogue's arguments over them."""
+    leaves = {"input": x, "weight": w, "bias": b,
+              **{k: v for k, v in args.items() if isinstance(v, torch.Tensor)}}
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
+    return leaves, {**args, **{k: leaves[k] for k in args if isinstance(args[k], torch.Tensor)}}
+
+
+@cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name, options", EPILOGUES, ids=[name for name, _ in EPILOGUES])
+def test_gpu_epilogue_gradients_match_float64(name, options, dtype, layout):
+    # every input's gradient through the fused backward against the unfused
+    # torch sequence in float64: as close as that sequence in the dtype is
+    x = make_input((2, 32, 9, 7), dtype, layout, "cuda", shift=1.0)
+    w, b = affine(32, dtype, "cuda", "both")
+    args = epilogue_tensors(x, options)
+    dy = torch.randn_like(x)
+
+    def gradients(fn, cast):
+        leaves, call_args = epilogue_leaves(cast(x), cast(w), cast(b), {
+            k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+        y = fn(leaves["input"], leaves["weight"], leaves["bias"], call_args)
+        return dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), cast(dy))))
+
+    def torch_sequence(t, weight, bias, call_args):
+        return apply_epilogue(F.group_norm(t, 8, weight, bias, 1e-5), **call_args)
+
+    ours = gradients(lambda t, weight, bias, a: gn.group_norm(t, 8, weight, bias, **a), lambda v: v)
+    exact = gradients(torch_sequence, lambda v: v.double())
+    theirs = gradients(torch_sequence, lambda v: v)
+    for key, ref in exact.items():
+        slack = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1e-30)
+        error, torch_error = tools.max_error(ours[key], ref), tools.max_error(theirs[key], ref)
+        assert error <= 2 * torch_error + slack, (key, error, torch_error)
+
+
+@cuda
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "mish", ("tanh", "sigmoid")])
+def test_gpu_epilogue_gradcheck(activation):
+    # float64 finite differences through every input of the fused op
+    x = make_input((2, 8, 5, 3), torch.float64, "contiguous", "cuda")
+    w, b = affine(8, torch.float64, "cuda", "both")
+    args = dict(epilogue_tensors(x, dict(scale=True, shift=True, residual=True)),
+                activation=activation)
+    leaves, call_args = epilogue_leaves(x, w, b, args)
+    names = list(leaves)
+
+    def fn(*tensors):
+        given = dict(zip(names, tensors))
+        return gn.group_norm(given["input"], 4, given["weight"], given["bias"],
+                             **{k: given.get(k, v) for k, v in call_args.items()})
+
+    assert torch.autograd.gradcheck(fn, tuple(leaves.values()), eps=1e-6, atol=1e-5)
 
 
 @cuda

@@ -7,6 +7,7 @@
 // The schemas and fake (meta) functions are defined from Python
 // (groupnorm_inline.py), which chooses the namespace: they are needed to
 // trace before this library is built.
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/functions/basic_ops.h>
@@ -16,10 +17,12 @@
 #include <tuple>
 #include <vector>
 
+#include "activation.h"
 #include "ops.h"
 
 namespace {
 
+using groupnorm::Activation;
 using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using ForwardOp = Outputs(const at::Tensor&, const c10::optional<at::Tensor>&,
                           const c10::optional<at::Tensor>&, int64_t, double);
@@ -59,8 +62,8 @@ Outputs forward_fused_cuda(const at::Tensor& x, const c10::optional<at::Tensor>&
                            const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
                            const c10::optional<at::Tensor>& scale,
                            const c10::optional<at::Tensor>& shift,
-                           const c10::optional<at::Tensor>& residual,
-                           c10::IntArrayRef activations, double slope) {
+                           const c10::optional<at::Tensor>& residual, c10::IntArrayRef activations,
+                           double slope) {
   return as_tuple(::forward_fused(x, weight, bias, groups, eps, "auto", 0, 0, scale, shift,
                                   residual, activations.vec(), slope));
 }
@@ -124,8 +127,8 @@ Outputs backward_autograd(const at::Tensor& dy, const at::Tensor& x, const at::T
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     grads = operators->backward.call(dy, x, mean, rstd, weight, groups, need_dx, need_affine);
   }
-  const bool differentiable = dy.requires_grad() || x.requires_grad() ||
-                              (weight.has_value() && weight->requires_grad());
+  const bool differentiable =
+      dy.requires_grad() || x.requires_grad() || (weight.has_value() && weight->requires_grad());
   if (!at::GradMode::is_enabled() || !differentiable) return grads;
   auto error = std::make_shared<torch::autograd::DelayedError>(kNoDoubleBackward, 3);
   torch::autograd::variable_list inputs;
@@ -140,27 +143,191 @@ Outputs forward_autograd(const at::Tensor& x, const c10::optional<at::Tensor>& w
   return as_tuple(GroupNormFunction::apply(x, weight, bias, groups, eps));
 }
 
-// The fused forward has no backward yet: with gradients wanted it refuses
-// (also while torch.compile traces a training graph), instead of returning
-// outputs that silently have none.
+// One activation of the epilogue's chain (activation.h codes) by ATen, and
+// its derivative by ATen's backward formulas: what torch's autograd of the
+// unfused sequence computes.
+at::Tensor activation_forward(Activation a, const at::Tensor& z, double slope) {
+  switch (a) {
+    case Activation::SiLU:
+      return at::silu(z);
+    case Activation::GELU:
+      return at::gelu(z, "none");
+    case Activation::GELUTanh:
+      return at::gelu(z, "tanh");
+    case Activation::ReLU:
+      return at::relu(z);
+    case Activation::LeakyReLU:
+      return at::leaky_relu(z, slope);
+    case Activation::Tanh:
+      return at::tanh(z);
+    case Activation::Sigmoid:
+      return at::sigmoid(z);
+    case Activation::Hardswish:
+      return at::hardswish(z);
+    case Activation::Mish:
+      return at::mish(z);
+  }
+  TORCH_CHECK(false, "groupnorm_inline: unknown activation");
+}
+
+// The gradient with respect to z of act(z), given the gradient g of its
+// output out = act(z).
+at::Tensor activation_backward(Activation a, const at::Tensor& g, const at::Tensor& z,
+                               const at::Tensor& out, double slope) {
+  switch (a) {
+    case Activation::SiLU:
+      return at::silu_backward(g, z);
+    case Activation::GELU:
+      return at::gelu_backward(g, z, "none");
+    case Activation::GELUTanh:
+      return at::gelu_backward(g, z, "tanh");
+    case Activation::ReLU:
+      return at::threshold_backward(g, out, 0);
+    case Activation::LeakyReLU:
+      return at::leaky_relu_backward(g, z, slope, false);
+    case Activation::Tanh:
+      return at::tanh_backward(g, out);
+    case Activation::Sigmoid:
+      return at::sigmoid_backward(g, out);
+    case Activation::Hardswish:
+      return at::hardswish_backward(g, z);
+    case Activation::Mish:
+      return at::mish_backward(g, z);
+  }
+  TORCH_CHECK(false, "groupnorm_inline: unknown activation");
+}
+
+c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
+  return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+bool defined(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// The fused forward's autograd. Saves what the plain GroupNorm saves (x,
+// weight, mean, rstd) and the small tensors (bias, scale, shift); no
+// full-size activation. The backward recomputes the pre-activation value by
+// the fused forward without activations (one pass over x), runs the chain
+// back by ATen's formulas, takes scale's and shift's gradients as sums over
+// the spatial dims, and hands (1 + scale) times the result to the plain
+// backward operator for dx, dweight and dbias; the residual's gradient is
+// dy. Everything goes through the dispatcher, so torch.compile traces it.
+class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFunction> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+      const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+      int64_t groups, double eps, const c10::optional<at::Tensor>& scale,
+      const c10::optional<at::Tensor>& shift, const c10::optional<at::Tensor>& residual,
+      c10::IntArrayRef activations, double slope) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [y, mean, rstd] = operators->forward_fused.call(x, weight, bias, groups, eps, scale, shift,
+                                                         residual, activations, slope);
+    const auto tensor = [](const c10::optional<at::Tensor>& t) {
+      return defined(t) ? *t : at::Tensor();
+    };
+    ctx->save_for_backward(
+        {x, tensor(weight), tensor(bias), tensor(scale), tensor(shift), mean, rstd});
+    ctx->mark_non_differentiable({mean, rstd});
+    ctx->saved_data["groups"] = groups;
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["activations"] = activations.vec();
+    ctx->saved_data["slope"] = slope;
+    // autograd makes an input edge for each defined tensor argument only
+    int64_t edge = 1;
+    for (const auto& [name, t] :
+         {std::pair{"weight", &weight}, std::pair{"bias", &bias}, std::pair{"scale", &scale},
+          std::pair{"shift", &shift}, std::pair{"residual", &residual}}) {
+      ctx->saved_data[name] = defined(*t) ? edge++ : int64_t(-1);
+    }
+    return {y, mean, rstd};
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2], &scale = saved[3],
+                     &shift = saved[4], &mean = saved[5], &rstd = saved[6];
+    const auto needs = [&](const char* name) {
+      const int64_t index = ctx->saved_data[name].toInt();
+      return index >= 0 && ctx->needs_input_grad(size_t(index));
+    };
+    const int64_t groups = ctx->saved_data["groups"].toInt();
+    const double eps = ctx->saved_data["eps"].toDouble(),
+                 slope = ctx->saved_data["slope"].toDouble();
+    const std::vector<int64_t> chain = ctx->saved_data["activations"].toIntVector();
+    const bool grad_mode = at::GradMode::is_enabled();  // create_graph
+    at::NoGradGuard no_grad;
+    const at::Tensor& dy = grads[0];
+    std::vector<int64_t> spatial;  // the dims scale and shift broadcast over
+    for (int64_t d = 2; d < x.dim(); ++d) spatial.push_back(d);
+    std::vector<int64_t> per_channel(size_t(x.dim()), 1);
+    per_channel[0] = x.size(0);
+    per_channel[1] = x.size(1);
+
+    // the gradient with respect to the value before the activations
+    at::Tensor g = dy;
+    if (!chain.empty()) {
+      std::vector<at::Tensor> values{std::get<0>(operators->forward_fused.call(
+          x, optional_of(weight), optional_of(bias), groups, eps, optional_of(scale),
+          optional_of(shift), c10::nullopt, {}, slope))};
+      for (int64_t code : chain) {
+        values.push_back(activation_forward(Activation(code), values.back(), slope));
+      }
+      for (size_t i = chain.size(); i-- > 0;) {
+        g = activation_backward(Activation(chain[i]), g, values[i], values[i + 1], slope);
+      }
+    }
+    at::Tensor dscale, dshift;
+    // sums over the spatial dims (none: an (N, C) input, where sum() would
+    // take every dim)
+    const auto per_sample_channel = [&](const at::Tensor& t) {
+      return spatial.empty() ? t : t.sum(spatial);
+    };
+    if (needs("shift")) dshift = per_sample_channel(g);
+    if (scale.defined()) {
+      if (needs("scale")) {
+        const at::Tensor affine = std::get<0>(
+            operators->forward.call(x, optional_of(weight), optional_of(bias), groups, eps));
+        dscale = per_sample_channel(g * affine);
+      }
+      g = g * (scale + 1).reshape(per_channel);
+    }
+    const bool need_dx = ctx->needs_input_grad(0);
+    const bool need_weight = needs("weight"), need_bias = needs("bias");
+    at::Tensor dx, dweight, dbias;
+    if (need_dx || need_weight || need_bias) {
+      std::tie(dx, dweight, dbias) = operators->backward.call(
+          g, x, mean, rstd, optional_of(weight), groups, need_dx, need_weight || need_bias);
+    }
+    torch::autograd::variable_list out{need_dx ? dx : at::Tensor(),
+                                       need_weight ? dweight : at::Tensor(),
+                                       need_bias ? dbias : at::Tensor(),
+                                       at::Tensor() /* groups */,
+                                       at::Tensor() /* eps */,
+                                       dscale,
+                                       dshift,
+                                       needs("residual") ? dy : at::Tensor(),
+                                       at::Tensor() /* activations */,
+                                       at::Tensor() /* slope */};
+    if (!grad_mode) return out;
+    // create_graph: gradients of these gradients are refused when asked for
+    for (at::Tensor& t : out) {
+      if (!t.defined()) continue;
+      auto error = std::make_shared<torch::autograd::DelayedError>(kNoDoubleBackward, 1);
+      t = error->apply({t.detach().requires_grad_(true)})[0];
+    }
+    return out;
+  }
+};
+
 Outputs forward_fused_autograd(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                                const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
                                const c10::optional<at::Tensor>& scale,
                                const c10::optional<at::Tensor>& shift,
                                const c10::optional<at::Tensor>& residual,
                                c10::IntArrayRef activations, double slope) {
-  bool wanted = x.requires_grad();
-  for (const auto* t : {&weight, &bias, &scale, &shift, &residual}) {
-    wanted = wanted || (t->has_value() && (*t)->defined() && (*t)->requires_grad());
-  }
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      !(wanted && at::GradMode::is_enabled()),
-      "groupnorm_inline: the fused backward of scale, shift, activation and residual is not "
-      "implemented yet; run the fused forward without gradients (torch.no_grad(), or tensors "
-      "that do not require grad), or apply these ops after group_norm");
-  at::AutoDispatchBelowADInplaceOrView below_autograd;
-  return operators->forward_fused.call(x, weight, bias, groups, eps, scale, shift, residual,
-                                       activations, slope);
+  return as_tuple(FusedGroupNormFunction::apply(x, weight, bias, groups, eps, scale, shift,
+                                                residual, activations, slope));
 }
 
 }  // namespace
@@ -171,8 +338,7 @@ void register_kernels(const std::string& ns) {
   operators = new Operators{
       dispatcher.findSchemaOrThrow((ns + "::forward").c_str(), "").typed<ForwardOp>(),
       dispatcher.findSchemaOrThrow((ns + "::backward").c_str(), "").typed<BackwardOp>(),
-      dispatcher.findSchemaOrThrow((ns + "::forward_fused").c_str(), "")
-          .typed<ForwardFusedOp>()};
+      dispatcher.findSchemaOrThrow((ns + "::forward_fused").c_str(), "").typed<ForwardFusedOp>()};
   // The registrations last as long as the process, as TORCH_LIBRARY_IMPL's do.
   static std::vector<std::unique_ptr<torch::Library>> libraries;
   libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, ns,
