@@ -1123,17 +1123,16 @@ _TIMM_ACTIVATIONS = {"Swish": "silu", "GELU": "gelu", "GELUTanh": "gelu_tanh", "
                      "Sigmoid": "sigmoid", "HardSwish": "hardswish", "Mish": "mish"}
 
 
-def _activation_name(module):
-    """The name a fused kernel would take for the activation `module` applies:
-    "silu", "gelu", "gelu_tanh", "relu", "leaky_relu(SLOPE)", "tanh",
-    "sigmoid", "hardswish" or "mish"; None for anything else. Exact types
-    only (torch's, and timm's own when timm is imported): a subclass may
-    change forward."""
+def _activation_spec(module):
+    """group_norm's `activation` for what `module` applies: "silu", "gelu",
+    "gelu_tanh", "relu", ("leaky_relu", slope), "tanh", "sigmoid",
+    "hardswish" or "mish"; None for anything else. Exact types only (torch's,
+    and timm's own when timm is imported): a subclass may change forward."""
     kind = type(module)
     if kind is nn.GELU:
         return {"none": "gelu", "tanh": "gelu_tanh"}.get(module.approximate)
     if kind is nn.LeakyReLU:
-        return f"leaky_relu({float(module.negative_slope)!r})"
+        return ("leaky_relu", float(module.negative_slope))
     if kind in _TORCH_ACTIVATIONS:
         return _TORCH_ACTIVATIONS[kind]
     timm_activations = sys.modules.get("timm.layers.activations")
@@ -1143,12 +1142,20 @@ def _activation_name(module):
     return None
 
 
+def _activation_name(module):
+    """_activation_spec as one string: "leaky_relu(SLOPE)" for the tuple."""
+    spec = _activation_spec(module)
+    return f"leaky_relu({spec[1]!r})" if isinstance(spec, tuple) else spec
+
+
 class GroupNormAct(GroupNorm):
     """GroupNorm, then the module `drop`, then the module `act` (each
     nn.Identity when None): what replace_groupnorm makes of timm's
     GroupNormAct and GroupNorm1Act, with their state_dict keys and their drop
     and act modules. `activation` (read only) names act for a fused kernel
-    (see _activation_name), or is None; act runs unfused for now."""
+    (see _activation_name), or is None. With drop an nn.Identity and act an
+    activation the kernels have (and no hooks on it), act runs inside the
+    GroupNorm kernel; else after it, unfused."""
 
     def __init__(self, num_groups, num_channels, eps=1e-5, affine=True, device=None, dtype=None,
                  *, bias=True, drop=None, act=None):
@@ -1161,8 +1168,13 @@ class GroupNormAct(GroupNorm):
         return _activation_name(self.act)
 
     def forward(self, input):
-        # unfused: drop runs between (and is timm's to change)
-        return self.act(self.drop(super().forward(input)))
+        act = self.act
+        hooked = act._forward_hooks or act._forward_pre_hooks
+        spec = None if hooked or type(self.drop) is not nn.Identity else _activation_spec(act)
+        if spec is None:  # drop runs between, or an activation the kernels lack
+            return act(self.drop(super().forward(input)))
+        return group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
+                          activation=spec, process_group=self.process_group)
 
 
 # timm's GroupNorm classes (timm.layers, timm >= 0.9) by the module that

@@ -593,6 +593,33 @@ def test_replace_groupnorm_timm_layers():
         gn.replace_groupnorm(fast, strict=True)
 
 
+def test_groupnorm_act_fuses_its_activation_unless_drop_or_hooks_come_between(monkeypatch):
+    timm = pytest.importorskip("timm")
+    calls = []
+    original = gn.group_norm
+    monkeypatch.setattr(gn, "group_norm", lambda *a, **k: calls.append(k.get("activation")) or original(*a, **k))
+    x = torch.randn(2, 8, 5, 5)
+    for act, spec in (("relu", "relu"), ("silu", "silu"), ("leaky_relu", ("leaky_relu", 0.01)),
+                      ("gelu_tanh", "gelu_tanh")):
+        theirs = timm.layers.GroupNormAct(8, 2, act_layer=act)
+        ours = gn.replace_groupnorm(copy.deepcopy(theirs), strict=True)
+        calls.clear()
+        torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+        assert calls == [spec], (act, calls)
+    # a drop layer between, or a hook on the activation: unfused
+    theirs = timm.layers.GroupNormAct(8, 2, act_layer="relu", drop_layer=nn.Dropout)
+    ours = gn.replace_groupnorm(copy.deepcopy(theirs), strict=True).eval()
+    calls.clear()
+    torch.testing.assert_close(ours(x), theirs.eval()(x), rtol=0, atol=0)
+    assert calls == [None]
+    ours = gn.replace_groupnorm(timm.layers.GroupNormAct(8, 2, act_layer="relu"), strict=True)
+    seen = []
+    ours.act.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    calls.clear()
+    ours(x)
+    assert calls == [None] and seen == [x.shape]
+
+
 def kernelbench_reference_model():
     class Model(nn.Module):
         def __init__(self, num_features, num_groups):
