@@ -1361,27 +1361,35 @@ def operators_on_the_cpu():
     library._destroy()
 
 
+OPTIONAL_INPUTS = ("weight", "bias", "scale", "shift", "residual")
+
+
 @pytest.mark.parametrize("chain", [[], ["silu"], ["tanh", "hardswish"], ["leaky_relu", "mish"],
                                    ["gelu_tanh", "sigmoid", "relu"]])
-@pytest.mark.parametrize("wanted", ["all", "x", "affine", "epilogue"])
+@pytest.mark.parametrize("wanted", ["all", "x", *OPTIONAL_INPUTS, "some absent", "2-D"])
 def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_cpu, chain, wanted):
     # the C++ fused backward (recompute, the chain back, scale and shift sums,
     # the plain backward operator) against torch's autograd of the unfused
-    # sequence, in float64, for each subset of wanted gradients
+    # sequence, in float64: each input's gradient alone (a mix-up of edges
+    # shows), all at once, with optional inputs absent, and on (N, C) input
     torch.manual_seed(len(chain))
-    x = torch.randn(3, 8, 5, 4, dtype=torch.float64) + 2
+    shape = (3, 8) if wanted == "2-D" else (3, 8, 5, 4)
+    x = torch.randn(shape, dtype=torch.float64) + 2
     values = dict(x=x, weight=torch.randn(8, dtype=torch.float64),
                   bias=torch.randn(8, dtype=torch.float64),
                   scale=0.5 * torch.randn(3, 8, dtype=torch.float64),
                   shift=torch.randn(3, 8, dtype=torch.float64),
                   residual=torch.randn_like(x))
-    wants = {"all": set(values), "x": {"x"}, "affine": {"weight", "bias"},
-             "epilogue": {"scale", "shift", "residual"}}[wanted]
+    if wanted == "some absent":
+        values.update(weight=None, shift=None)
+    present = {k for k, v in values.items() if v is not None}
+    wants = {"all": present, "some absent": present, "2-D": present}.get(wanted, {wanted})
     codes = [gn._ACTIVATION_CODES[name] for name in chain]
     dy = torch.randn_like(x)
 
     def gradients(run):
-        leaves = {k: v.clone().requires_grad_(k in wants) for k, v in values.items()}
+        leaves = {k: v.clone().requires_grad_(k in wants) if v is not None else None
+                  for k, v in values.items()}
         y = run(**leaves)
         return dict(zip(sorted(wants), torch.autograd.grad(y, [leaves[k] for k in sorted(wants)], dy)))
 
@@ -1393,6 +1401,27 @@ def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_c
         activation=steps or None))
     for key in wants:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-9, atol=1e-9, msg=key)
+
+
+def test_fused_backward_keeps_dynamic_shapes_under_compile(operators_on_the_cpu):
+    # the backward's graph traced with a symbolic batch: one graph for four
+    # batch sizes (sizes read into constants would make one each)
+    from torch._dynamo.utils import counters
+    counters.clear()
+    torch._dynamo.reset()
+
+    def fn(x, s):
+        return torch.ops.groupnorm_inline.forward_fused(x, None, None, 4, 1e-5, s, None, None,
+                                                        [gn._ACTIVATION_CODES["silu"]], 0.01)[0]
+
+    compiled = torch.compile(fn, backend="aot_eager", dynamic=True)
+    for n in (2, 3, 4, 5):
+        x = torch.randn(n, 8, 5, 4, dtype=torch.float64, requires_grad=True)
+        s = torch.randn(n, 8, dtype=torch.float64, requires_grad=True)
+        compiled(x, s).sum().backward()
+        assert x.grad.shape == x.shape and s.grad.shape == s.shape
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
 
 
 def test_fused_call_under_torch_compile_calls_the_operator(monkeypatch):

@@ -256,48 +256,60 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
                  slope = ctx->saved_data["slope"].toDouble();
     const std::vector<int64_t> chain = ctx->saved_data["activations"].toIntVector();
     const bool grad_mode = at::GradMode::is_enabled();  // create_graph
-    at::NoGradGuard no_grad;
-    const at::Tensor& dy = grads[0];
-    std::vector<int64_t> spatial;  // the dims scale and shift broadcast over
-    for (int64_t d = 2; d < x.dim(); ++d) spatial.push_back(d);
-    std::vector<int64_t> per_channel(size_t(x.dim()), 1);
-    per_channel[0] = x.size(0);
-    per_channel[1] = x.size(1);
-
-    // the gradient with respect to the value before the activations
-    at::Tensor g = dy;
-    if (!chain.empty()) {
-      std::vector<at::Tensor> values{std::get<0>(operators->forward_fused.call(
-          x, optional_of(weight), optional_of(bias), groups, eps, optional_of(scale),
-          optional_of(shift), c10::nullopt, {}, slope))};
-      for (int64_t code : chain) {
-        values.push_back(activation_forward(Activation(code), values.back(), slope));
-      }
-      for (size_t i = chain.size(); i-- > 0;) {
-        g = activation_backward(Activation(chain[i]), g, values[i], values[i + 1], slope);
-      }
-    }
-    at::Tensor dscale, dshift;
-    // sums over the spatial dims (none: an (N, C) input, where sum() would
-    // take every dim)
-    const auto per_sample_channel = [&](const at::Tensor& t) {
-      return spatial.empty() ? t : t.sum(spatial);
-    };
-    if (needs("shift")) dshift = per_sample_channel(g);
-    if (scale.defined()) {
-      if (needs("scale")) {
-        const at::Tensor affine = std::get<0>(
-            operators->forward.call(x, optional_of(weight), optional_of(bias), groups, eps));
-        dscale = per_sample_channel(g * affine);
-      }
-      g = g * (scale + 1).reshape(per_channel);
-    }
     const bool need_dx = ctx->needs_input_grad(0);
     const bool need_weight = needs("weight"), need_bias = needs("bias");
-    at::Tensor dx, dweight, dbias;
-    if (need_dx || need_weight || need_bias) {
-      std::tie(dx, dweight, dbias) = operators->backward.call(
-          g, x, mean, rstd, optional_of(weight), groups, need_dx, need_weight || need_bias);
+    const bool need_scale = needs("scale"), need_shift = needs("shift");
+    const at::Tensor& dy = grads[0];
+    at::Tensor dx, dweight, dbias, dscale, dshift;
+    if (need_dx || need_weight || need_bias || need_scale || need_shift) {
+      at::NoGradGuard no_grad;
+      // scale and shift as [N, C, 1, ...]: unsqueezed, not reshaped to
+      // sizes, which torch.compile would fix as constants
+      const auto per_channel = [&](at::Tensor t) {
+        while (t.dim() < x.dim()) t = t.unsqueeze(-1);
+        return t;
+      };
+      std::vector<int64_t> spatial;  // the dims scale and shift broadcast over
+      for (int64_t d = 2; d < x.dim(); ++d) spatial.push_back(d);
+      // sums over them (none: an (N, C) input, where sum() would take every dim)
+      const auto per_sample_channel = [&](const at::Tensor& t) {
+        return spatial.empty() ? t : t.sum(spatial);
+      };
+      // GroupNorm's affine output, for scale's gradient; the value before
+      // the activations then follows from it without another pass over x
+      at::Tensor affine;
+      if (scale.defined() && need_scale) {
+        affine = std::get<0>(
+            operators->forward.call(x, optional_of(weight), optional_of(bias), groups, eps));
+      }
+      // the gradient with respect to the value before the activations
+      at::Tensor g = dy;
+      if (!chain.empty()) {
+        at::Tensor value;
+        if (affine.defined()) {
+          value = affine * (per_channel(scale) + 1);
+          if (shift.defined()) value = value + per_channel(shift);
+        } else {
+          value = std::get<0>(operators->forward_fused.call(
+              x, optional_of(weight), optional_of(bias), groups, eps, optional_of(scale),
+              optional_of(shift), c10::nullopt, {}, slope));
+        }
+        std::vector<at::Tensor> values{value};
+        for (int64_t code : chain) {
+          values.push_back(activation_forward(Activation(code), values.back(), slope));
+        }
+        for (size_t i = chain.size(); i-- > 0;) {
+          g = activation_backward(Activation(chain[i]), g, values[i], values[i + 1], slope);
+          values.pop_back();  // each value dies once its step is taken back
+        }
+      }
+      if (need_shift) dshift = per_sample_channel(g);
+      if (need_scale) dscale = per_sample_channel(g * affine);
+      if (need_dx || need_weight || need_bias) {
+        if (scale.defined()) g = g * (per_channel(scale) + 1);
+        std::tie(dx, dweight, dbias) = operators->backward.call(
+            g, x, mean, rstd, optional_of(weight), groups, need_dx, need_weight || need_bias);
+      }
     }
     torch::autograd::variable_list out{need_dx ? dx : at::Tensor(),
                                        need_weight ? dweight : at::Tensor(),
