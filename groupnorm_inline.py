@@ -1148,6 +1148,18 @@ def _activation_name(module):
     return f"leaky_relu({spec[1]!r})" if isinstance(spec, tuple) else spec
 
 
+def _hooked(*modules):
+    """Whether any hook would see these modules run (theirs or global ones):
+    then they must run as modules, not inside a kernel."""
+    from torch.nn.modules import module as torch_module
+
+    own = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+    shared = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+              "_global_backward_pre_hooks")
+    return (any(getattr(m, name, None) for m in modules for name in own)
+            or any(getattr(torch_module, name, None) for name in shared))
+
+
 class GroupNormAct(GroupNorm):
     """GroupNorm, then the module `drop`, then the module `act` (each
     nn.Identity when None): what replace_groupnorm makes of timm's
@@ -1169,8 +1181,8 @@ class GroupNormAct(GroupNorm):
 
     def forward(self, input):
         act = self.act
-        hooked = act._forward_hooks or act._forward_pre_hooks
-        spec = None if hooked or type(self.drop) is not nn.Identity else _activation_spec(act)
+        spec = None if _hooked(act, self.drop) or type(self.drop) is not nn.Identity \
+            else _activation_spec(act)
         if spec is None:  # drop runs between, or an activation the kernels lack
             return act(self.drop(super().forward(input)))
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps,

@@ -618,6 +618,16 @@ def test_groupnorm_act_fuses_its_activation_unless_drop_or_hooks_come_between(mo
     calls.clear()
     ours(x)
     assert calls == [None] and seen == [x.shape]
+    # a backward hook on act, or a global module hook: unfused too (GELU: an
+    # inplace ReLU under a backward hook is an error of torch's own)
+    for register in (lambda layer: layer.act.register_full_backward_hook(lambda *args: None),
+                     lambda layer: nn.modules.module.register_module_forward_hook(lambda *args: None)):
+        layer = gn.replace_groupnorm(timm.layers.GroupNormAct(8, 2, act_layer="gelu"), strict=True)
+        handle = register(layer)
+        calls.clear()
+        layer(x)
+        handle.remove()
+        assert calls == [None]
 
 
 def kernelbench_reference_model():
