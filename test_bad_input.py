@@ -123,10 +123,17 @@ def torch_error(call):
     return None
 
 
-def torch_took(description, theirs):
-    """Whether torch took (or crashed on) arguments it would refuse from 2.14 on."""
+def assert_refused_like_torch(description, ours, theirs, refused_on_purpose):
+    """ours (the error raised) is of torch's type for the same call (theirs,
+    None where torch took it): torch may take only what we refuse on purpose,
+    and, before 2.14, empty dims (which it takes, or crashes on)."""
     crashed = isinstance(theirs, torch.AcceleratorError)
-    return OLD_TORCH and description in OLD_TORCH_TAKES and (theirs is None or crashed)
+    if OLD_TORCH and description in OLD_TORCH_TAKES and (theirs is None or crashed):
+        return
+    if theirs is None:
+        assert description in refused_on_purpose, "torch took arguments that we refused"
+    else:
+        assert isinstance(ours, type(theirs)), (type(theirs), type(ours).__mro__)
 
 
 def kernels_unreachable(monkeypatch):
@@ -152,12 +159,7 @@ def test_bad_input_raises_clear_error(case, device, monkeypatch):
     assert_unchanged(kept, x, weight, bias)
     # catchable as what torch raises for the same mistake
     theirs = torch_error(lambda: F.group_norm(x, groups, weight, bias, eps))
-    if torch_took(description, theirs):
-        pass
-    elif theirs is None:
-        assert description in TORCH_TAKES, "torch took arguments that group_norm refused"
-    else:
-        assert isinstance(ours.value, type(theirs)), (type(theirs), type(ours.value).__mro__)
+    assert_refused_like_torch(description, ours.value, theirs, TORCH_TAKES)
     # groupnorm_cuda makes the same checks, before the device's: the same
     # error on either device
     if description not in GROUP_NORM_ONLY:
@@ -373,10 +375,5 @@ def test_module_mistakes_raise_torchs_errors(case, device):
     assert fragment in str(ours.value), str(ours.value)
     # the constructor raises torch's own errors or ours; a call, ours
     assert built is not None or isinstance(ours.value, gn.GroupNormError), type(ours.value)
-    if torch_took(description, theirs):
-        pass
-    elif theirs is None:
-        assert description in TORCH_TAKES_LAYER, "torch took what GroupNorm refused"
-    else:
-        assert isinstance(ours.value, type(theirs)), (type(theirs), type(ours.value).__mro__)
+    assert_refused_like_torch(description, ours.value, theirs, TORCH_TAKES_LAYER)
     assert_unchanged(kept, x)

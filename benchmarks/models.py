@@ -180,18 +180,8 @@ def run_model(name, modes, rounds, device, tiny):
         entry = result["variants"][v] = {"max_error": relative_error(out, reference)}
         callables[(v, "eager")] = lambda m=m: torch.no_grad()(call)(m, *args)
         for mode in ("compile", "reduce-overhead"):
-            if mode not in modes:
-                continue
-            torch._dynamo.reset()
-            compiled = torch.compile(m, mode=None if mode == "compile" else mode)
-            start = time.perf_counter()
-            with torch.no_grad():
-                call(compiled, *args)
-                call(compiled, *args)  # reduce-overhead records its graph on a later call
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            entry[f"{mode}_first_calls_s"] = round(time.perf_counter() - start, 2)
-            callables[(v, mode)] = lambda c=compiled: torch.no_grad()(call)(c, *args)
+            if mode in modes:
+                callables[(v, mode)], _ = compiled_variant(entry, m, call, args, mode)
         if "train" in modes:
             callables[(v, "train")] = lambda m=m: training_step(m, call, args)
     compiled_modes = [mode for mode in ("compile", "reduce-overhead") if mode in modes]
@@ -228,22 +218,29 @@ def with_compile_fusion(call):
     return run
 
 
+def compiled_variant(entry, model, call, args, mode):
+    """model compiled in `mode`, its first two calls timed into entry (the
+    compile; reduce-overhead records its graph on the second); returns the
+    callable to time and the first call's output."""
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode=None if mode == "compile" else mode)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = call(compiled, *args)
+        call(compiled, *args)
+    if out.is_cuda:
+        torch.cuda.synchronize()
+    entry[f"{mode}_first_calls_s"] = round(time.perf_counter() - start, 2)
+    return (lambda: torch.no_grad()(call)(compiled, *args)), out
+
+
 def add_pass_variant(result, callables, model, call, args, reference, modes):
     """The "pass" variant: torch's model compiled with the compile pass."""
     entry = result["variants"]["pass"] = {}
     fused_call = with_compile_fusion(call)
     for mode in modes:
-        torch._dynamo.reset()
-        compiled = torch.compile(model, mode=None if mode == "compile" else mode)
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = fused_call(compiled, *args)
-            fused_call(compiled, *args)  # reduce-overhead records its graph on a later call
-        if out.is_cuda:
-            torch.cuda.synchronize()
-        entry[f"{mode}_first_calls_s"] = round(time.perf_counter() - start, 2)
+        callables[("pass", mode)], out = compiled_variant(entry, model, fused_call, args, mode)
         entry.setdefault("max_error", relative_error(out, reference))
-        callables[("pass", mode)] = lambda c=compiled: torch.no_grad()(fused_call)(c, *args)
 
 
 def markdown(results):
