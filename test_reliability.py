@@ -109,11 +109,11 @@ def test_gpu_graph_of_forward_and_backward_replays_the_same(case):
 @pytest.mark.parametrize("case", FORCED, ids=forced_id)
 def test_gpu_every_forced_path_is_deterministic(case):
     x, _, force = forced_input(case)
-    groups = case[1]
+    groups, kernel = case[1], case[4]
     w, b = affine(x.shape[1], x.dtype, "cuda", "both")
-    first = gn.groupnorm_cuda(x, w, b, groups, **force)
+    first = gn.groupnorm_cuda(x, w, b, groups, kernel=kernel, **force)
     for _ in range(3):
-        assert torch.equal(gn.groupnorm_cuda(x, w, b, groups, **force), first)
+        assert torch.equal(gn.groupnorm_cuda(x, w, b, groups, kernel=kernel, **force), first)
     ext = gn.load()
     _, mean, rstd = ext.forward(x, w, b, groups, 1e-5, "auto", 0, 0)
     dy = torch.randn_like(x)
@@ -140,9 +140,10 @@ def test_gpu_memory_is_flat_over_many_calls():
     base = torch.cuda.memory_allocated()
     y = gn.groupnorm_cuda(x, w, b, groups)
     torch.cuda.synchronize()
-    outputs = y.numel() * y.element_size() + 2 * 2 * 32 * 4  # y, mean and rstd
+    statistics = 2 * 512  # mean and rstd, 256 bytes each, in the allocator's 512-byte blocks
+    outputs = y.numel() * y.element_size() + statistics
     workspace = torch.cuda.max_memory_allocated() - base - outputs
-    assert 0 <= workspace <= 1 << 20, workspace  # a few counters and partials
+    assert 0 <= workspace <= outputs // 4, workspace  # counters and per-piece partials
 
 
 @cuda
