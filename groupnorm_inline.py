@@ -16,6 +16,8 @@ Command line (run by groupnorm_tools.py, which a bundle embeds):
     python groupnorm_inline.py bundle --kernelbench level1-35 OUT.py
 """
 
+import contextlib
+import errno
 import functools
 import glob
 import hashlib
@@ -25,12 +27,18 @@ import math
 import numbers
 import os
 import re
+import socket
 import sys
 import threading
 import time
 import types
 import typing
 import warnings
+
+try:
+    import fcntl
+except ImportError:  # Windows: torch's own build lock only
+    fcntl = None
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +47,7 @@ from torch import nn
 __version__ = "0.1.0"
 __all__ = [
     "GroupNorm", "GroupNormAct", "group_norm", "groupnorm_cuda", "replace_groupnorm", "plan",
-    "GroupNormError", "ToolchainError", "load", "sources", "extension_name",
+    "GroupNormError", "ToolchainError", "BuildCacheError", "load", "sources", "extension_name",
     "enable_compile_fusion", "disable_compile_fusion",
 ]
 
@@ -71,6 +79,9 @@ _DECLARATIONS = "ops.h"
 _CXX_FLAGS = ["-O3"]
 _CUDA_FLAGS = ["-O3"]   # torch adds its own -std (C++17 or C++20 by version)
 _DEFAULT_ARCH = "9.0"                # used when no GPU is visible (CI compiles this way)
+# What a build directory holds (see _cache_problem), in the extension's name:
+# a build by a loader that stamped nothing is never taken for a finished one.
+_CACHE_LAYOUT = "stamped library, flock"
 _LOCAL_INCLUDE = re.compile(r'^\s*#include\s+"([^"]+)"\s*$', re.MULTILINE)
 _extension = None
 _load_lock = threading.Lock()
@@ -145,18 +156,24 @@ def _dtype_units(family):
 
 def extension_name(arch=None):
     """Name of the compiled extension: a hash of everything that shapes the
-    binary (sources, the units they are compiled as, flags, versions), so an
-    edited kernel can never load a stale build."""
+    binary (sources, the units they are compiled as, flags, versions) and of
+    the cache's layout, so an edited kernel can never load a stale build."""
     units = [*_HOST_UNITS, *(text for f in _KERNEL_UNITS for text in _dtype_units(f).values())]
     key = "\0".join([*(name + "\0" + _read_source(name) for name in _kernel_files()), *units,
                      " ".join(_CXX_FLAGS + _CUDA_FLAGS), arch or _arch_list(), torch.__version__,
-                     str(torch.version.cuda), sys.version.split()[0]])
+                     str(torch.version.cuda), sys.version.split()[0], _CACHE_LAYOUT])
     return "groupnorm_inline_" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class ToolchainError(RuntimeError):
     """What a build needs is missing: a CUDA build of torch, nvcc, the CUDA
     runtime library or ninja. The message names the fix."""
+
+
+class BuildCacheError(ToolchainError):
+    """The build cache cannot serve the build: another process's build there
+    did not end in time. A ToolchainError, so group_norm falls back to torch
+    the same way; the message names the process and the fix."""
 
 
 def _check_toolchain():
@@ -180,30 +197,187 @@ def _check_toolchain():
         raise ToolchainError("groupnorm_inline: ninja was not found; install it with `pip install ninja`")
 
 
-def _load_cached(cpp_extension, name, built, lock):
-    """The extension from an earlier build, or None. torch builds under
-    build_dir/lock, and a library seen during a build may be half written.
-    Older torch (FileBaton) holds the lock file only while building; newer
-    torch takes an OS lock on a file that stays, so that lock is waited for."""
-    def imported():
-        spec = importlib.util.spec_from_file_location(name, built)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+# A build directory holds, beside ninja's files, the library; a stamp that
+# the build writes once the library is whole and imports (its size and
+# sha256); and our lock, taken by whoever builds there. The lock is an OS
+# lock (flock), which dies with its holder, so a killed build leaves nothing
+# to clear. torch's own `lock` is one too in newer torch (2.14.1, as CI has); in
+# older torch it is a file whose existence blocks (FileBaton), which a
+# killed build leaves behind for every later build to wait on forever.
+_STAMP_SUFFIX = ".sha256"
+_LOCK_FILE = "groupnorm_inline.lock"
+_LOCK_TIMEOUT_S = 1800  # GROUPNORM_INLINE_LOCK_TIMEOUT's default: a cold build takes 0.5-6 min
+_LOCK_REPORT_S = 30     # how often a process that waits says who for
+_NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # file systems without flock
 
-    if hasattr(cpp_extension, "FileBaton") or not hasattr(cpp_extension, "FileLock"):
-        return imported() if os.path.exists(built) and not os.path.exists(lock) else None
+
+def _library_path(build_dir, name):
+    return os.path.join(build_dir, name + (".pyd" if os.name == "nt" else ".so"))
+
+
+def _sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _cache_problem(built):
+    """None when `built` is the library a finished build stamped (the same
+    size and sha256), "" when neither is there (a cold cache), else what is
+    wrong with it, in words."""
+    stamp = built + _STAMP_SUFFIX
+    try:
+        with open(stamp, encoding="utf-8") as f:
+            digest, size = f.read().split()
+            size = int(size)
+    except FileNotFoundError:
+        return f"the build that wrote {built} did not finish" if os.path.exists(built) else ""
+    except ValueError:
+        return f"the stamp {stamp} is damaged"
     if not os.path.exists(built):
+        return f"{built} is missing"
+    if os.path.getsize(built) != size:
+        return f"{built} is damaged ({os.path.getsize(built)} bytes; the build wrote {size})"
+    if _sha256(built) != digest:
+        return f"{built} is damaged (its sha256 is not the one the build wrote)"
+    return None
+
+
+def _load_cached(name, built):
+    """The extension from a finished build, or None. The library is
+    checked against its stamp first: a damaged one can crash the process
+    that imports it, or load wrong code."""
+    if _cache_problem(built) is not None:
         return None
+    spec = importlib.util.spec_from_file_location(name, built)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _stamp(built):
+    """Records `built` as whole: its size and sha256, written atomically."""
+    temporary = f"{built}{_STAMP_SUFFIX}.{os.getpid()}.tmp"
+    with open(temporary, "w", encoding="utf-8") as f:
+        f.write(f"{_sha256(built)} {os.path.getsize(built)}\n")
+    os.replace(temporary, built + _STAMP_SUFFIX)
+
+
+def _lock_timeout():
+    return float(os.environ.get("GROUPNORM_INLINE_LOCK_TIMEOUT", _LOCK_TIMEOUT_S))
+
+
+def _holder(fd):
+    """What the lock file says of its last holder: {pid, pgid, host, since}."""
     try:
-        file_lock = cpp_extension.FileLock(lock)
-        file_lock.acquire()
-    except OSError:  # a read-only cache: nobody can be building in it
-        return imported()
+        fields = dict(item.split("=", 1) for item in os.pread(fd, 512, 0).decode().split())
+        return {"pid": int(fields["pid"]), "pgid": int(fields["pgid"]), "host": fields["host"],
+                "since": float(fields["since"])}
+    except (OSError, ValueError, KeyError, UnicodeDecodeError):
+        return None  # not written yet, or being written
+
+
+def _describe(holder):
+    if holder is None:
+        return "another process"
+    return (f"process {holder['pid']} on {holder['host']} (building for "
+            f"{time.time() - holder['since']:.0f} s)")
+
+
+def _acquire(fd, name, build_dir):
+    """Takes the lock on fd, waiting at most GROUPNORM_INLINE_LOCK_TIMEOUT
+    seconds and saying every so often who holds it."""
+    timeout = _lock_timeout()
+    start = time.monotonic()
+    reported = None
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        except OSError as error:
+            if error.errno in _NO_LOCKS:
+                return  # no locks here: torch's own lock is all there is, as before
+            raise
+        waited = time.monotonic() - start
+        holder = _holder(fd)  # None for the moment between a holder's lock and its record
+        if waited >= timeout:
+            raise BuildCacheError(
+                f"groupnorm_inline: gave up after {waited:.0f} s waiting for {_describe(holder)} "
+                f"to finish building {name} in {build_dir}. If that process is stuck, stop it; "
+                f"to wait longer, set GROUPNORM_INLINE_LOCK_TIMEOUT (seconds, now {timeout:g})")
+        if (waited - reported >= _LOCK_REPORT_S if reported is not None
+                else holder is not None or waited >= 1):
+            print(f"groupnorm_inline: waiting for {_describe(holder)} to finish building {name} "
+                  f"in {build_dir} ({waited:.0f} s so far)", file=sys.stderr, flush=True)
+            reported = waited
+        time.sleep(0.2)
+
+
+def _leftovers(holder, build_dir):
+    """Processes that a killed holder started and that still work in
+    build_dir (ninja, compilers: its process group, with their working
+    directory there). Linux only; elsewhere none are seen."""
+    if holder is None or holder["host"] != socket.gethostname() or not os.path.isdir("/proc"):
+        return []
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if (os.getpgid(int(entry)) == holder["pgid"]
+                    and os.path.samefile(f"/proc/{entry}/cwd", build_dir)):
+                found.append(int(entry))
+        except OSError:  # gone, or another user's
+            pass
+    return found
+
+
+def _wait_for_leftovers(holder, build_dir):
+    """Waits, at most GROUPNORM_INLINE_LOCK_TIMEOUT seconds, until nothing
+    that a killed holder started works in build_dir any more."""
+    start = time.monotonic()
+    pids = _leftovers(holder, build_dir)
+    if pids:
+        print(f"groupnorm_inline: waiting for processes {pids}, left running in {build_dir} by a "
+              "build that was killed", file=sys.stderr, flush=True)
+    while pids:
+        if time.monotonic() - start >= _lock_timeout():
+            raise BuildCacheError(
+                f"groupnorm_inline: processes {pids}, left running in {build_dir} by a build that "
+                f"was killed, still run after {time.monotonic() - start:.0f} s; stop them, or set "
+                "GROUPNORM_INLINE_LOCK_TIMEOUT (seconds) to wait longer")
+        time.sleep(0.2)
+        pids = _leftovers(holder, build_dir)
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir, name):
+    """Held while this process builds in build_dir; another process that
+    wants to build there waits (see _acquire). The holder records itself in
+    the lock file until it lets go: a record found on taking the lock is a
+    killed holder's, whose ninja and compilers may still be writing objects
+    and ninja's log, so the new holder waits for them before building."""
+    if fcntl is None:
+        yield
+        return
+    fd = os.open(os.path.join(build_dir, _LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        return imported()
+        _acquire(fd, name, build_dir)
+        previous = _holder(fd)
+        with contextlib.suppress(OSError):  # a full disk: the record is only for messages
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (f"pid={os.getpid()} pgid={os.getpgrp()} host={socket.gethostname()} "
+                           f"since={time.time():.0f}\n").encode(), 0)
+        _wait_for_leftovers(previous, build_dir)
+        yield
     finally:
-        file_lock.release()
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+        os.close(fd)  # releases the lock
 
 
 def _write_sources(build_dir):
@@ -270,7 +444,9 @@ def load():
     """The compiled extension, built on first use and cached on disk.
 
     A fresh build prints what it compiles and when each unit is done; a
-    cached load is silent. Threads that call it at once wait for one load.
+    cached load is silent. Threads that call it at once wait for one load;
+    processes, for one build (_build_lock). A build that did not finish, or
+    a library that is not the one its build wrote, is built again.
     """
     if _extension is not None:
         return _extension
@@ -284,20 +460,37 @@ def _load_or_build():
 
     arch = _arch_list()
     name = extension_name(arch)
-    build_dir = cpp_extension._get_build_directory(name, verbose=False)
-    built = os.path.join(build_dir, name + (".pyd" if os.name == "nt" else ".so"))
-    module = _load_cached(cpp_extension, name, built, os.path.join(build_dir, "lock"))
-    if module is not None:
-        _register_kernels(module)
-        _extension = module
-        return module
+    build_dir = cpp_extension._get_build_directory(name, verbose=False)  # mkdir -p
+    built = _library_path(build_dir, name)
+    module = _load_cached(name, built)
+    if module is None:
+        with _build_lock(build_dir, name):
+            module = _load_cached(name, built) or _build(cpp_extension, name, arch, build_dir)
+    _register_kernels(module)
+    _extension = module
+    return module
+
+
+def _build(cpp_extension, name, arch, build_dir):
+    """Builds the extension in build_dir, with its lock held, and imports it."""
+    built = _library_path(build_dir, name)
+    problem = _cache_problem(built)
+    # Nothing is kept of an unfinished or damaged build but the objects,
+    # which ninja rebuilds when they are out of date. torch's own `lock`
+    # goes too: in older torch its existence blocks every build, and a
+    # killed build leaves it behind; no one else builds here while we hold ours.
+    for stale in (built, built + _STAMP_SUFFIX, os.path.join(build_dir, "lock")):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(stale)
+    if problem:
+        print(f"groupnorm_inline: {problem}; building it again", file=sys.stderr, flush=True)
 
     _check_toolchain()
     units = _write_sources(build_dir)
     sm = ", ".join("sm_" + a.replace(".", "").replace("+PTX", "") for a in re.split(r"[ ;]+", arch) if a)
     jobs = f"MAX_JOBS={os.environ['MAX_JOBS']}" if os.environ.get("MAX_JOBS") else "ninja's default jobs"
-    print(f"groupnorm_inline: building CUDA kernels for {sm} (first use): {len(units)} translation "
-          f"units in parallel ({jobs})...", file=sys.stderr, flush=True)
+    print(f"groupnorm_inline: building CUDA kernels for {sm} ({'again' if problem else 'first use'}): "
+          f"{len(units)} translation units in parallel ({jobs})...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     saved = os.environ.get("TORCH_CUDA_ARCH_LIST")
     os.environ["TORCH_CUDA_ARCH_LIST"] = arch
@@ -312,10 +505,9 @@ def _load_or_build():
             del os.environ["TORCH_CUDA_ARCH_LIST"]
         else:
             os.environ["TORCH_CUDA_ARCH_LIST"] = saved
+    _stamp(built)  # it imported: later imports may take it
     print(f"groupnorm_inline: built in {time.perf_counter() - start:.0f} s",
           file=sys.stderr, flush=True)
-    _register_kernels(module)
-    _extension = module
     return module
 
 

@@ -14,8 +14,12 @@ import os
 import pickle
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
 import types
 import warnings
 
@@ -1489,6 +1493,235 @@ def test_fused_operator_is_defined_with_its_autograd():
                                                   codes, 0.01)[0].sum(), inputs, create_graph=True)
     with pytest.raises(RuntimeError, match="double backward"):
         dx.sum().backward()
+
+
+# ---------------------------------------------------------------------------
+# Build and cache faults: a concurrent, killed or damaged build. The loader
+# builds a two-file extension in a cache of the test's own, so each fault
+# costs seconds; with GROUPNORM_INLINE_TEST_REAL_BUILDS=1 they also run on
+# the kernels (minutes).
+# ---------------------------------------------------------------------------
+
+TINY_SOURCES = {
+    # the Python module, with the one entry point the loader calls
+    "tiny_module.cpp": '#include <pybind11/pybind11.h>\n#include <string>\n\n'
+                       'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {\n'
+                       '  m.def("register_kernels", [](const std::string&) {});\n}\n',
+    # done in a moment while the module takes seconds: a build is midway
+    # when this object is there and the library is not
+    "tiny_quick.cpp": "int tiny_quick() { return 1; }\n",
+}
+
+# torch before its build lock became an OS lock (FileBaton) built under a
+# file whose existence blocks: brought back where torch has the new one.
+LOCK_FILE_TORCH = """
+from torch.utils import cpp_extension
+from torch.utils.file_baton import FileBaton
+if not hasattr(cpp_extension, "FileBaton"):
+    class LockFile:
+        def __init__(self, path):
+            self.baton = FileBaton(path)
+        def __enter__(self):
+            while not self.baton.try_acquire():
+                self.baton.wait()
+        def __exit__(self, *exc):
+            self.baton.release()
+    cpp_extension.FileLock = LockFile
+"""
+
+real_builds = pytest.mark.skipif(not os.environ.get("GROUPNORM_INLINE_TEST_REAL_BUILDS"),
+                                 reason="a build of the kernels takes minutes: set "
+                                        "GROUPNORM_INLINE_TEST_REAL_BUILDS=1")
+
+
+@pytest.fixture(scope="module")
+def toolchain():
+    try:
+        gn._check_toolchain()
+    except gn.ToolchainError as error:
+        pytest.skip(f"needs the build toolchain: {error}")
+
+
+@pytest.fixture(params=["tiny", pytest.param("kernels", marks=real_builds)])
+def sources(request, toolchain):
+    return request.param
+
+
+def loader(cache, sources, *, torch_lock="os lock", wait=None):
+    """A process that loads the extension from `cache` (TORCH_EXTENSIONS_DIR)
+    and prints "loaded PATH", or the error's type and message; a new session,
+    so that the test can kill it with the compilers it started."""
+    code = ["import sys", "import groupnorm_inline as gn"]
+    if sources == "tiny":
+        code += [f"gn._EMBEDDED_SOURCES = {TINY_SOURCES!r}",
+                 "gn._HOST_UNITS = sorted(gn._EMBEDDED_SOURCES)", "gn._KERNEL_UNITS = []"]
+    if torch_lock == "lock file":
+        code.append(LOCK_FILE_TORCH)
+    code += ["try:", "    print('loaded', gn.load().__file__, flush=True)",
+             "except Exception as error:",
+             "    print(f'{type(error).__name__}: {error}', flush=True)", "    sys.exit(1)"]
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(cache), "GROUPNORM_INLINE_LAZY": "1",
+           "TORCH_CUDA_ARCH_LIST": "9.0"}
+    if wait is not None:
+        env["GROUPNORM_INLINE_LOCK_TIMEOUT"] = str(wait)
+    return subprocess.Popen([sys.executable, "-c", "\n".join(code)], cwd=HERE, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+
+
+def finish(process, timeout=300):
+    """(exit code, stdout, stderr) of a loader; a hang fails the test."""
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        out, err = process.communicate()
+        pytest.fail(f"the loader hung for {timeout} s:\n{err[-3000:]}")
+    return process.returncode, out, err
+
+
+def load_in_process(cache, sources, **options):
+    code, out, err = finish(loader(cache, sources, **options))
+    return types.SimpleNamespace(code=code, out=out, err=err, builds=err.count("building CUDA"),
+                                 library=out.split()[1] if out.startswith("loaded ") else None)
+
+
+def ninja_runs(build_dir):
+    """How many times ninja ran each command, from its log."""
+    with open(os.path.join(build_dir, ".ninja_log")) as f:
+        outputs = [line.split("\t")[3] for line in f if not line.startswith("#")]
+    return {output: outputs.count(output) for output in outputs}
+
+
+def wait_for_line(process, text, timeout=300):
+    """Reads the stderr of a loader up to a line that contains text; a
+    loader that prints no such line in time is killed, failing the test."""
+    watchdog = threading.Timer(timeout, os.killpg, (process.pid, signal.SIGKILL))
+    watchdog.start()
+    try:
+        for line in process.stderr:
+            if text in line:
+                return
+    finally:
+        watchdog.cancel()
+    pytest.fail(f"the loader printed no {text!r} (in {timeout} s)")
+
+
+def test_build_fault_two_cold_imports_build_once(tmp_path, sources):
+    # Two processes import on a cold cache at once: one builds, the other
+    # waits (saying for whom), both load, and ninja compiles each unit once.
+    processes = [loader(tmp_path, sources) for _ in range(2)]
+    results = [finish(p) for p in processes]
+    for code, out, err in results:
+        assert code == 0 and out.startswith("loaded "), err
+    builds = [err.count("building CUDA") for _, _, err in results]
+    assert sorted(builds) == [0, 1], [err for _, _, err in results]
+    builder = processes[builds.index(1)]
+    waiter_err = results[builds.index(0)][2]
+    assert f"waiting for process {builder.pid} on " in waiter_err, waiter_err
+    library = results[0][1].split()[1]
+    assert results[1][1].split()[1] == library
+    runs = ninja_runs(os.path.dirname(library))
+    assert set(runs.values()) == {1}, runs
+
+
+@pytest.mark.parametrize("torch_lock", ["os lock", "lock file"])
+@pytest.mark.parametrize("victim", ["process group", "python only"])
+def test_build_fault_killed_build_recovers_in_one_build(tmp_path, sources, victim, torch_lock):
+    # A build killed by SIGKILL midway (its whole process group, as a job
+    # scheduler does, or only Python, as the OOM killer does, leaving its
+    # compilers running): the next import builds once and loads, whether
+    # torch's own lock is an OS lock or a lock file the kill leaves behind.
+    process = loader(tmp_path, sources, torch_lock=torch_lock)
+    wait_for_line(process, "groupnorm_inline: [1/")  # one object done
+    build_dir = os.path.join(tmp_path, os.listdir(tmp_path)[0])
+    assert not any(name.endswith(".so") for name in os.listdir(build_dir)), "not midway"
+    if victim == "process group":
+        os.killpg(process.pid, signal.SIGKILL)
+    else:
+        os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    if torch_lock == "lock file":
+        assert os.path.exists(os.path.join(build_dir, "lock")), "no stale lock file to recover from"
+
+    again = load_in_process(tmp_path, sources, torch_lock=torch_lock)
+    assert again.code == 0 and again.library, again.err
+    assert again.builds == 1, again.err
+    assert "groupnorm_inline" not in load_in_process(tmp_path, sources).err  # cached: silent
+
+
+def test_build_fault_lock_wait_is_time_boxed(tmp_path, sources):
+    # A process that waits for another's build gives up after
+    # GROUPNORM_INLINE_LOCK_TIMEOUT seconds, naming the builder; the
+    # builder is not disturbed.
+    builder = loader(tmp_path, sources)
+    wait_for_line(builder, "building CUDA")
+    start = time.monotonic()
+    waiter = load_in_process(tmp_path, sources, wait=1)
+    assert waiter.code == 1, waiter.err
+    assert waiter.out.startswith(f"BuildCacheError: groupnorm_inline: gave up after 1 s waiting "
+                                 f"for process {builder.pid} on "), waiter.out
+    assert "GROUPNORM_INLINE_LOCK_TIMEOUT" in waiter.out
+    assert time.monotonic() - start < 60
+    code, out, err = finish(builder)
+    assert code == 0 and out.startswith("loaded "), err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "one byte changed", "stamp deleted"])
+def test_build_fault_damaged_library_is_rebuilt(tmp_path, sources, damage):
+    # A cached library that is not the one its build wrote is never
+    # imported: the loader names it and builds it again (ninja relinks).
+    first = load_in_process(tmp_path, sources)
+    assert first.code == 0 and first.builds == 1, first.err
+    with open(first.library, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if damage == "truncated":
+            f.truncate(size // 2)
+        elif damage == "garbage":
+            f.seek(0)
+            f.write(os.urandom(size))
+        elif damage == "one byte changed":
+            f.seek(size // 2)
+            byte = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    if damage == "stamp deleted":
+        os.remove(first.library + ".sha256")
+
+    again = load_in_process(tmp_path, sources)
+    assert again.code == 0 and again.library == first.library, again.err
+    said = (f"the build that wrote {first.library} did not finish" if damage == "stamp deleted"
+            else f"{first.library} is damaged")
+    assert f"groupnorm_inline: {said}" in again.err and again.builds == 1, again.err
+    runs = ninja_runs(os.path.dirname(first.library))
+    assert runs[os.path.basename(first.library)] == 2, runs  # relinked, nothing recompiled
+    assert max(count for output, count in runs.items() if output.endswith(".o")) == 1, runs
+    assert "groupnorm_inline" not in load_in_process(tmp_path, sources).err
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc") or gn.fcntl is None, reason="needs Linux")
+def test_build_lock_waits_for_what_a_killed_build_left_running(tmp_path, capsys):
+    # A killed builder's record stays in the lock file; the next builder
+    # waits for the processes of its group still working in the build
+    # directory (here one that sleeps 2 s there), not for anyone else's.
+    leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(2)"],
+                                cwd=tmp_path, start_new_session=True)
+    elsewhere = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                                 start_new_session=True)
+    try:
+        with open(tmp_path / gn._LOCK_FILE, "w") as f:
+            f.write(f"pid=1 pgid={leftover.pid} host={socket.gethostname()} since=0\n")
+        start = time.monotonic()
+        with gn._build_lock(str(tmp_path), "groupnorm_inline_test"):
+            assert leftover.poll() is not None, "took the lock while the leftover ran"
+        assert time.monotonic() - start < 20
+        assert elsewhere.poll() is None
+        assert (f"groupnorm_inline: waiting for processes [{leftover.pid}], left running in "
+                f"{tmp_path} by a build that was killed") in capsys.readouterr().err
+        assert (tmp_path / gn._LOCK_FILE).read_text() == ""  # let go: nothing to wait for
+    finally:
+        for process in (leftover, elsewhere):
+            process.kill()
+            process.wait()
 
 
 # ---------------------------------------------------------------------------
