@@ -171,9 +171,10 @@ class ToolchainError(RuntimeError):
 
 
 class BuildCacheError(ToolchainError):
-    """The build cache cannot serve the build: another process's build there
-    did not end in time. A ToolchainError, so group_norm falls back to torch
-    the same way; the message names the process and the fix."""
+    """The build cache cannot serve or hold the build: its directory is not
+    writable or its disk is full, or another process's build there did not
+    end in time. A ToolchainError, so group_norm falls back to torch the
+    same way; the message names the directory and the fix."""
 
 
 def _check_toolchain():
@@ -208,6 +209,8 @@ _STAMP_SUFFIX = ".sha256"
 _LOCK_FILE = "groupnorm_inline.lock"
 _LOCK_TIMEOUT_S = 1800  # GROUPNORM_INLINE_LOCK_TIMEOUT's default: a cold build takes 0.5-6 min
 _LOCK_REPORT_S = 30     # how often a process that waits says who for
+_NO_SPACE = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))  # a full disk or quota
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)  # file systems without flock
 
 
@@ -380,6 +383,36 @@ def _build_lock(build_dir, name):
         os.close(fd)  # releases the lock
 
 
+def _cache_error(error, name, build_dir):
+    """The BuildCacheError for `error`, met while loading or building name
+    in build_dir, when the cache is at fault (no space, not writable); else
+    None. ninja's failures arrive as torch's RuntimeError, with its output."""
+    text = str(error)
+    code = getattr(error, "errno", None)
+    if code in _NO_SPACE or "No space left on device" in text or "Disk quota exceeded" in text:
+        lines = [line.strip() for line in text.splitlines()
+                 if "No space left on device" in line or "Disk quota exceeded" in line]
+        return BuildCacheError(
+            f"groupnorm_inline: no space left to build {name} in {build_dir} "
+            f"({lines[0] if lines else text}). Free space there, or set TORCH_EXTENSIONS_DIR to a "
+            "directory on another disk; the next import builds again")
+    if code in _NOT_WRITABLE:
+        where = error.filename or build_dir  # a file or directory it could not create
+        while where and not os.path.isdir(where):
+            where = os.path.dirname(where)
+        problem = _cache_problem(_library_path(build_dir, name)) if build_dir else ""
+        if problem:
+            return BuildCacheError(
+                f"groupnorm_inline: {problem}, and {where} is not writable ({error.strerror}) to "
+                f"build it again. Delete {_library_path(build_dir, name)} where the cache is "
+                "writable and import again, or set TORCH_EXTENSIONS_DIR to a writable directory")
+        return BuildCacheError(
+            f"groupnorm_inline: cannot build {name}: {where} is not writable ({error.strerror}). "
+            "Set TORCH_EXTENSIONS_DIR to a writable directory, or build once where the cache is "
+            "writable (python groupnorm_inline.py build)")
+    return None
+
+
 def _write_sources(build_dir):
     """The translation units to compile, written under build_dir: the kernel
     sources in src/, and for each kernel family one file per dtype that
@@ -446,7 +479,8 @@ def load():
     A fresh build prints what it compiles and when each unit is done; a
     cached load is silent. Threads that call it at once wait for one load;
     processes, for one build (_build_lock). A build that did not finish, or
-    a library that is not the one its build wrote, is built again.
+    a library that is not the one its build wrote, is built again; a cache
+    that cannot be written raises BuildCacheError.
     """
     if _extension is not None:
         return _extension
@@ -460,12 +494,21 @@ def _load_or_build():
 
     arch = _arch_list()
     name = extension_name(arch)
-    build_dir = cpp_extension._get_build_directory(name, verbose=False)  # mkdir -p
-    built = _library_path(build_dir, name)
-    module = _load_cached(name, built)
-    if module is None:
-        with _build_lock(build_dir, name):
-            module = _load_cached(name, built) or _build(cpp_extension, name, arch, build_dir)
+    build_dir = None
+    try:
+        build_dir = cpp_extension._get_build_directory(name, verbose=False)  # mkdir -p
+        built = _library_path(build_dir, name)
+        module = _load_cached(name, built)
+        if module is None:
+            with _build_lock(build_dir, name):
+                module = _load_cached(name, built) or _build(cpp_extension, name, arch, build_dir)
+    except ToolchainError:
+        raise
+    except (OSError, RuntimeError) as error:
+        cache_error = _cache_error(error, name, build_dir)
+        if cache_error is None:
+            raise
+        raise cache_error from error
     _register_kernels(module)
     _extension = module
     return module

@@ -7,6 +7,7 @@ the output will occupy before every call.
 """
 
 import copy
+import errno
 import importlib.util
 import inspect
 import math
@@ -1496,10 +1497,10 @@ def test_fused_operator_is_defined_with_its_autograd():
 
 
 # ---------------------------------------------------------------------------
-# Build and cache faults: a concurrent, killed or damaged build. The loader
-# builds a two-file extension in a cache of the test's own, so each fault
-# costs seconds; with GROUPNORM_INLINE_TEST_REAL_BUILDS=1 they also run on
-# the kernels (minutes).
+# Build and cache faults: a concurrent, killed or damaged build, a read-only
+# or full cache. The loader builds a two-file extension in a cache of the
+# test's own, so each fault costs seconds; with
+# GROUPNORM_INLINE_TEST_REAL_BUILDS=1 they also run on the kernels (minutes).
 # ---------------------------------------------------------------------------
 
 TINY_SOURCES = {
@@ -1606,6 +1607,37 @@ def wait_for_line(process, text, timeout=300):
     pytest.fail(f"the loader printed no {text!r} (in {timeout} s)")
 
 
+def mount(*args):
+    """Runs mount (root only, where it is allowed); False if it could not."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    return subprocess.run(["mount", *args], capture_output=True).returncode == 0
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """Makes a directory read-only for the loader: a read-only bind mount as
+    root (root writes through permission bits), else no write permission."""
+    undo = []
+
+    def make(directory):
+        if os.geteuid() != 0:
+            for root, dirs, _ in os.walk(directory):
+                for d in [root, *(os.path.join(root, d) for d in dirs)]:
+                    os.chmod(d, 0o555)
+                    undo.append(lambda d=d: os.chmod(d, 0o755))
+        elif mount("--bind", str(directory), str(directory)):
+            undo.append(lambda: subprocess.run(["umount", str(directory)], check=True))
+            if not mount("-o", "remount,bind,ro", str(directory)):
+                pytest.skip("cannot remount a bind mount read-only here")
+        else:
+            pytest.skip("root, and cannot mount: no way to make a read-only directory")
+
+    yield make
+    for step in reversed(undo):
+        step()
+
+
 def test_build_fault_two_cold_imports_build_once(tmp_path, sources):
     # Two processes import on a cold cache at once: one builds, the other
     # waits (saying for whom), both load, and ninja compiles each unit once.
@@ -1698,6 +1730,62 @@ def test_build_fault_damaged_library_is_rebuilt(tmp_path, sources, damage):
     assert "groupnorm_inline" not in load_in_process(tmp_path, sources).err
 
 
+def test_build_fault_read_only_cache(tmp_path, sources, read_only):
+    # A read-only cache: a finished build there loads; with none there, or
+    # a damaged one, a message names the directory or file and the fix.
+    empty, built, damaged = (tmp_path / name for name in ("empty", "built", "damaged"))
+    empty.mkdir()
+    library = {}
+    for cache in (built, damaged):
+        first = load_in_process(cache, sources)
+        assert first.code == 0, first.err
+        library[cache] = first.library
+    with open(library[damaged], "r+b") as f:
+        f.truncate(1000)
+    for cache in (empty, built, damaged):
+        read_only(cache)
+
+    result = load_in_process(empty, sources)
+    assert result.code == 1 and result.out.startswith(
+        "BuildCacheError: groupnorm_inline: cannot build groupnorm_inline_"), result.out
+    assert f"{empty} is not writable" in result.out and "TORCH_EXTENSIONS_DIR" in result.out
+    assert "Traceback" not in result.err, result.err
+
+    result = load_in_process(built, sources)
+    assert result.code == 0 and result.library == library[built], result.err
+    assert "groupnorm_inline" not in result.err, result.err
+
+    result = load_in_process(damaged, sources)
+    assert result.code == 1, result.err
+    assert result.out.startswith(f"BuildCacheError: groupnorm_inline: {library[damaged]} is "
+                                 "damaged (1000 bytes"), result.out
+    assert f"Delete {library[damaged]} where the cache is writable" in result.out
+
+
+def test_build_fault_full_disk(tmp_path, sources):
+    # A build on a full disk (a tmpfs smaller than the build) fails with a
+    # message that says so and names the directory; once there is space,
+    # the next import builds and loads.
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    size = "256k" if sources == "tiny" else "2m"  # the build writes 0.6 MB or 22 MB
+    if not mount("-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(cache)):
+        pytest.skip("needs root and mount to make a small tmpfs")
+    try:
+        full = load_in_process(cache, sources)
+        assert full.code == 1, full.err
+        assert full.out.startswith("BuildCacheError: groupnorm_inline: no space left to build "
+                                   "groupnorm_inline_"), full.out
+        assert f"in {cache}/groupnorm_inline_" in full.out and "No space left on device" in full.out
+        assert "TORCH_EXTENSIONS_DIR" in full.out
+
+        assert mount("-o", "remount,size=256m", str(cache))
+        again = load_in_process(cache, sources)
+        assert again.code == 0 and again.library and again.builds == 1, again.err
+    finally:
+        subprocess.run(["umount", str(cache)], check=True)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc") or gn.fcntl is None, reason="needs Linux")
 def test_build_lock_waits_for_what_a_killed_build_left_running(tmp_path, capsys):
     # A killed builder's record stays in the lock file; the next builder
@@ -1722,6 +1810,37 @@ def test_build_lock_waits_for_what_a_killed_build_left_running(tmp_path, capsys)
         for process in (leftover, elsewhere):
             process.kill()
             process.wait()
+
+
+def test_full_disk_and_read_only_errors_name_the_fix(tmp_path, monkeypatch):
+    # Without root: ninja's report of a full disk, and an unwritable cache,
+    # as the loader sees them (the two tests above make them for real).
+    from torch.utils import cpp_extension
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(gn, "_extension", None)
+    monkeypatch.setattr(gn, "_check_toolchain", lambda: None)
+
+    def full_disk(**kwargs):
+        raise RuntimeError("Error building extension 'x': [1/26] c++ ... -o ops.o\nFAILED: ops.o\n"
+                           "ops.o: fatal error: error writing to /tmp/ccXY.s: No space left on "
+                           "device\ncompilation terminated.\nninja: build stopped")
+
+    monkeypatch.setattr(cpp_extension, "load", full_disk)
+    with pytest.raises(gn.BuildCacheError, match=r"no space left to build groupnorm_inline_\w+ in "
+                       + re.escape(str(tmp_path)) + r".*\(ops\.o: fatal error: error writing to "
+                       r"/tmp/ccXY\.s: No space left on device\)\. Free space there"):
+        gn._load_or_build()
+
+    def not_writable(name, verbose):
+        raise PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "locked" / name))
+
+    (tmp_path / "locked").mkdir()
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", not_writable)
+    with pytest.raises(gn.BuildCacheError, match=r"cannot build groupnorm_inline_\w+: "
+                       + re.escape(str(tmp_path / "locked")) + r" is not writable \(Permission denied\)\. "
+                       r"Set TORCH_EXTENSIONS_DIR"):
+        gn._load_or_build()
+    assert issubclass(gn.BuildCacheError, gn.ToolchainError)  # group_norm falls back to torch
 
 
 # ---------------------------------------------------------------------------
