@@ -788,6 +788,26 @@ def test_sources_inline_every_local_include():
     assert "__global__" in cuda and "forward(" in cpp
 
 
+def test_kernel_coverage_lists_every_kernel_the_library_defines():
+    # the coverage plugin's list of built kernels (nm) has each __global__
+    # kernel of the sources, and reads a profiler's name as nm's
+    from tools.kernel_coverage import built_kernels, kernel_key
+
+    if shutil.which("nm") is None:
+        pytest.skip("needs nm (binutils)")
+    try:
+        library = gn.load().__file__
+    except gn.ToolchainError as error:
+        pytest.skip(f"the extension cannot be built here: {error}")
+    families = {key.split("<")[0] for key in built_kernels(library)}
+    _, cuda = gn.sources()
+    declared = set(re.findall(r"\b(groupnorm_\w+_kernel)\s*\(", cuda))  # definitions, not launches
+    assert declared and families == {f"groupnorm::{name}" for name in declared}
+    assert kernel_key("void groupnorm::groupnorm_stream_kernel<c10::Half, 4, true, false>"
+                      "(c10::Half const*, float*)") == "groupnorm::groupnorm_stream_kernel<c10::Half,4,true,false>"
+    assert kernel_key("void at::native::vectorized_elementwise_kernel<4>(int)") is None
+
+
 def test_bundle_imports_without_kernels_dir(tmp_path):
     path = tools.bundle(str(tmp_path / "standalone_gn.py"))
     spec = importlib.util.spec_from_file_location("standalone_gn", path)
