@@ -2,11 +2,12 @@
 # One GPU session's worth of evidence: build, the full test suite, the
 # self-check and the benchmarks, each logged under $OUT (default: gpu-logs/).
 #   bash benchmarks/run_gpu.sh [tests] [selfcheck] [bench] [training] [quick] [host] [models]
-#                              [ab] [epilogue] [sanitize] [coverage] [-k EXPR]
+#                              [ab] [epilogue] [sanitize] [coverage] [soak] [-k EXPR]
 #   (default: tests selfcheck bench training; -k passes a test selection to pytest;
 #   host: host_overhead.py; models: models.py; ab: ab_compare.py against the
 #   checkout at $AB_BASE; epilogue: bench_epilogue.py; sanitize: tools/sanitize.sh; coverage: the GPU tests
-#   under tools/kernel_coverage.py, which fails on a built kernel never launched)
+#   under tools/kernel_coverage.py, which fails on a built kernel never launched;
+#   soak: tools/soak.py, 60 s of random calls with every option)
 # At most eight files, so every one comes back from a remote run: env.txt
 # (card, versions, build), tests.log, selfcheck.log, bench.{json,md,png},
 # training.{json,md}. Tables also go to stdout.
@@ -47,6 +48,7 @@ for step in "${steps[@]}"; do
              --rounds 5 --json "$OUT/ab.json" || status=1 ;;
     epilogue) python3 benchmarks/bench_epilogue.py --json "$OUT/epilogue.json" || status=1 ;;
     sanitize) OUT="$OUT" bash tools/sanitize.sh || status=1 ;;
+    soak) python3 tools/soak.py --seconds 60 --json "$OUT/soak.json" || status=1 ;;
     coverage) python3 -m pytest -q -rfE --tb=short -p no:cacheprovider -p tools.kernel_coverage \
              --kernel-coverage "$OUT/coverage.json" -k "gpu and not kernelbench_92_bundle" \
              test_groupnorm.py test_reliability.py test_properties.py 2>&1 | tee "$OUT/coverage.log" \
