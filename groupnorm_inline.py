@@ -1003,6 +1003,7 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
     axis, unequal slabs, empty ones too); the result is the slab of the
     GroupNorm of the whole tensor. Every rank of the group must make the
     call, and run its backward, as with any collective (_ShardedGroupNorm).
+    torch.compile traces it (functional collectives), fullgraph=True too.
     """
     num_groups, eps = _check_arguments("group_norm", input, num_groups, weight, bias, eps)
     epilogue = _check_epilogue("group_norm", input, scale, shift, activation, residual)
@@ -1060,12 +1061,12 @@ def _merged_moments(x, groups, process_group):
     of (count, mean, m2), merged exactly in float64 (Chan et al.): m2 = sum
     of m2_i + n_i (mean_i - mean)^2, so slabs of very different means lose
     nothing."""
-    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as collectives
 
     local = torch.stack(_local_moments(x, groups))  # [3, N, G]
-    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size(process_group))]
-    dist.all_gather(gathered, local.contiguous(), group=process_group)
-    count, mean, m2 = torch.stack(gathered).unbind(1)  # each [ranks, N, G]
+    # functional (traceable by torch.compile): [ranks * 3, N, G], rank by rank
+    gathered = collectives.all_gather_tensor(local.contiguous(), 0, process_group)
+    count, mean, m2 = gathered.reshape(-1, *local.shape).unbind(1)  # each [ranks, N, G]
     total = count.sum(0)
     merged_mean = (count * mean).sum(0) / total
     merged_m2 = (m2 + count * (mean - merged_mean) ** 2).sum(0)
@@ -1097,14 +1098,11 @@ class _ShardedGroupNorm(torch.autograd.Function):
     gradients are this slab's share, to be summed over the ranks like any
     data-parallel gradient (DDP does). torch ops in float (double for
     float64), on any device the group's backend serves (gloo: CPU, NCCL:
-    CUDA): exact, not yet this module's kernels. Not traceable by
-    torch.compile."""
+    CUDA): exact, not yet this module's kernels. The collectives are
+    torch's functional ones, which torch.compile traces."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, process_group):
-        if torch.compiler.is_compiling():
-            raise GroupNormError("group_norm: process_group= is not supported under "
-                                 "torch.compile yet")
         mean, var, count = _merged_moments(x, groups, process_group)
         rstd = (var + eps).rsqrt()
         y = _normalised(x, groups, mean, rstd)
@@ -1120,7 +1118,7 @@ class _ShardedGroupNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        import torch.distributed as dist
+        from torch.distributed import _functional_collectives as collectives
 
         x, weight, mean, rstd, count = ctx.saved_tensors
         groups, C = ctx.groups, x.shape[1]
@@ -1128,8 +1126,8 @@ class _ShardedGroupNorm(torch.autograd.Function):
         dyv = _group_view(dy, groups).to(xhat.dtype)
         g = dyv if weight is None else dyv * weight.reshape(1, groups, C // groups, 1).to(xhat.dtype)
         # sums of g and g * xhat per (n, g) over the whole tensor: one all-reduce
-        sums = torch.stack([g.sum((2, 3)), (g * xhat).sum((2, 3))]).double()
-        dist.all_reduce(sums, group=ctx.process_group)
+        sums = collectives.all_reduce(torch.stack([g.sum((2, 3)), (g * xhat).sum((2, 3))]).double(),
+                                      "sum", ctx.process_group)
         mean_g, mean_gx = (_per_group(t / count).to(xhat.dtype) for t in sums.unbind(0))
         dx = (g - mean_g - xhat * mean_gx) * _per_group(rstd).to(xhat.dtype)
         dweight = dbias = None

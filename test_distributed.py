@@ -43,6 +43,7 @@ def _worker(rank, store_path, backend="gloo"):
         if device.type == "cpu":
             _check_epilogue(rank)
             _check_modules(rank)
+            _check_compiled(rank)
             _check_refusals()
     finally:
         dist.destroy_process_group()
@@ -104,6 +105,27 @@ def _check_modules(rank):
     layer = gn.GroupNorm(4, 8, process_group=dist.group.WORLD)
     torch.testing.assert_close(layer(x), _slabs(F.group_norm(full, 4), 2, (4, 2))[rank],
                                rtol=1e-5, atol=1e-5)
+
+
+def _check_compiled(rank):
+    # torch.compile with fullgraph=True traces the functional collectives of
+    # the forward and of the backward: the same slab values and gradients
+    generator = torch.Generator().manual_seed(11)
+    full = torch.randn(2, 8, 10, 6, generator=generator, dtype=torch.float64)
+    full[:, :, :3] += 100  # rank 0's slab far from rank 1's
+    weight, bias, dy = (torch.randn(*shape, generator=generator, dtype=torch.float64)
+                        for shape in ((8,), (8,), full.shape))
+    x64 = full.clone().requires_grad_()
+    ref = F.silu(F.group_norm(x64, 4, weight, bias))
+    ref.backward(dy)
+    x = _slabs(full, 2, (3, 7))[rank].clone().requires_grad_()
+    compiled = torch.compile(lambda t: gn.group_norm(t, 4, weight, bias, activation="silu",
+                                                     process_group=dist.group.WORLD),
+                             fullgraph=True)
+    y = compiled(x)
+    y.backward(_slabs(dy, 2, (3, 7))[rank])
+    torch.testing.assert_close(y, _slabs(ref.detach(), 2, (3, 7))[rank], rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(x.grad, _slabs(x64.grad, 2, (3, 7))[rank], rtol=1e-9, atol=1e-9)
 
 
 def _check_refusals():
