@@ -1634,15 +1634,91 @@ def _graph_activation(node, source):
     return name, None
 
 
-def _fuse_activations(graph):
-    """In a pre-grad FX graph, folds the activations that follow each
-    <ns>::forward call (its output's only user, then that one's, up to
-    _MAX_ACTIVATIONS, one leaky_relu slope a chain) into one
-    <ns>::forward_fused call: one pass over the tensor instead of one more
-    per activation. Only where no gradient flows (the output does not
-    require grad: inference, torch.no_grad()): in training the fused backward
-    recomputes what it did not save, and its cost against the unfused pair
-    is not measured yet. Returns how many calls it fused."""
+def _operands(node, functions, method):
+    """The two operands of node when it is a binary call of one of
+    `functions` or of the Tensor method `method`, with nothing else; or None."""
+    binary = len(node.args) == 2 and not node.kwargs
+    if node.op == "call_function" and node.target in functions and binary:
+        return node.args
+    if node.op == "call_method" and node.target == method and binary:
+        return node.args
+    return None
+
+
+def _other_operand(operands, source):
+    """The operand that is not `source`, when exactly one of the two is."""
+    a, b = operands
+    if (a is source) == (b is source):
+        return None
+    return b if a is source else a
+
+
+def _fixed_size(sizes, expected):
+    """Whether two sizes are equal for every value of their symbols."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return len(sizes) == len(expected) and all(statically_known_true(a == b)
+                                               for a, b in zip(sizes, expected))
+
+
+def _epilogue_operand(node, value, per_channel):
+    """Whether a graph value can be an epilogue tensor of the GroupNorm
+    output `value`: of its dtype and device, needing no gradient, and of
+    shape (N, C, 1, ...) (per_channel: scale, shift) or value's (residual).
+    Other shapes broadcast differently, so they stay graph ops."""
+    tensor = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+    if (not isinstance(tensor, torch.Tensor) or tensor.dtype != value.dtype
+            or tensor.device != value.device or tensor.requires_grad):
+        return False
+    expected = (tuple(value.shape[:2]) + (1,) * (value.dim() - 2) if per_channel
+                else tuple(value.shape))
+    return _fixed_size(tuple(tensor.shape), expected)
+
+
+def _scale_step(node, value):
+    """(the multiply, the (1 + scale) node, scale) when node's only user
+    computes node * (1 + scale)."""
+    import operator
+
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    factor = _other_operand(_operands(user, (operator.mul, torch.mul), "mul") or (None, None), node)
+    if not isinstance(factor, torch.fx.Node):
+        return None
+    pair = _operands(factor, (operator.add, torch.add), "add")
+    one = [a for a in pair or () if not isinstance(a, (torch.fx.Node, bool)) and a == 1]
+    scale = [a for a in pair or () if isinstance(a, torch.fx.Node)]
+    if len(one) != 1 or len(scale) != 1 or not _epilogue_operand(scale[0], value, True):
+        return None
+    return user, factor, scale[0]
+
+
+def _add_step(node, value, per_channel):
+    """(the add, the other operand) when node's only user adds a shift
+    (per_channel) or a residual to it."""
+    import operator
+
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    other = _other_operand(_operands(user, (operator.add, torch.add), "add") or (None, None), node)
+    if not isinstance(other, torch.fx.Node) or not _epilogue_operand(other, value, per_channel):
+        return None
+    return user, other
+
+
+def _fuse_epilogues(graph):
+    """In a pre-grad FX graph, folds what follows each <ns>::forward call
+    into one <ns>::forward_fused call, in the epilogue's order, each step
+    the previous value's only user and each optional: `* (1 + scale)` and
+    `+ shift` with (N, C, 1, ...) tensors (diffusers' scale-shift ResNet
+    blocks, AdaGroupNorm), up to _MAX_ACTIVATIONS activations (one
+    leaky_relu slope a chain), `+ residual` of the output's shape. One pass
+    over the tensor instead of one more per step. Only where no gradient
+    flows (inference, torch.no_grad()): in training the fused backward
+    recomputes what it did not save, and its cost against the unfused
+    sequence is not measured yet. Returns how many calls it fused."""
     import operator
 
     fused = 0
@@ -1657,27 +1733,44 @@ def _fuse_activations(graph):
         value = users[0].meta.get("example_value")
         if not isinstance(value, torch.Tensor) or value.requires_grad:
             continue
-        chain, slope, last = [], None, users[0]
+        last, steps = users[0], []
+        factor = scale = shift = residual = None
+        step = _scale_step(last, value)
+        if step is not None:
+            last, factor, scale = step
+            steps.append(last)
+        step = _add_step(last, value, per_channel=True)
+        if step is not None:
+            last, shift = step
+            steps.append(last)
+        chain, slope = [], None
         while len(chain) < _MAX_ACTIVATIONS and len(last.users) == 1:
             user = next(iter(last.users))
-            step = _graph_activation(user, last)
-            if step is None or (step[1] is not None and slope not in (None, step[1])):
+            activation = _graph_activation(user, last)
+            if activation is None or (activation[1] is not None and slope not in (None, activation[1])):
                 break
-            chain.append((user, step[0]))
-            slope = step[1] if step[1] is not None else slope
+            chain.append(activation[0])
+            slope = activation[1] if activation[1] is not None else slope
             last = user
-        if not chain:
+            steps.append(last)
+        step = _add_step(last, value, per_channel=False)
+        if step is not None:
+            last, residual = step
+            steps.append(last)
+        if not steps:
             continue
-        codes = [_ACTIVATION_CODES[name] for _, name in chain]
-        with graph.inserting_before(node):
+        codes = [_ACTIVATION_CODES[name] for name in chain]
+        with graph.inserting_before(last):  # after every operand of the steps
             outputs = graph.call_function(_OPS.forward_fused.default,
-                                          (*node.args, None, None, None, codes,
+                                          (*node.args, scale, shift, residual, codes,
                                            _LEAKY_SLOPE if slope is None else slope))
             y = graph.call_function(operator.getitem, (outputs, 0))
         y.meta.update(last.meta)
         last.replace_all_uses_with(y)
-        for dead in [user for user, _ in reversed(chain)] + [users[0], node]:
+        for dead in [*reversed(steps), users[0], node]:
             graph.erase_node(dead)
+        if factor is not None and not factor.users:  # 1 + scale, unless used elsewhere
+            graph.erase_node(factor)
         fused += 1
     return fused
 
@@ -1691,8 +1784,8 @@ def enable_compile_fusion():
     F.group_norm on CUDA tensors as this module's operator, forward and
     backward, without changing the model. (Our GroupNorm and group_norm
     reach the operator anyway.) In graphs without gradients (inference), the
-    activations right after a GroupNorm run inside its kernel
-    (_fuse_activations). A CustomGraphPass with a uuid(), so Inductor's FX
+    scale-shift, activations and residual add right after a GroupNorm run
+    inside its kernel (_fuse_epilogues). A CustomGraphPass with a uuid(), so Inductor's FX
     graph cache keeps working. Returns nothing; see disable_compile_fusion."""
     global _compile_pass
     from torch._inductor import config
@@ -1736,11 +1829,12 @@ def _group_norm_pass_class():
     class _GroupNormPass(CustomGraphPass):
         def __call__(self, graph):
             _rewrite_group_norms(graph)
-            _fuse_activations(graph)
+            _fuse_epilogues(graph)
 
         def uuid(self):
             code = b"".join(marshal.dumps(f.__code__) for f in
-                            (_rewrite_group_norms, _graph_activation, _fuse_activations))
+                            (_rewrite_group_norms, _graph_activation, _fuse_epilogues, _operands,
+                             _other_operand, _fixed_size, _epilogue_operand, _scale_step, _add_step))
             table = str([(f.__name__, entry) for f, entry in _GRAPH_ACTIVATIONS.items()])
             key = code + table.encode() + _NAMESPACE.encode() + __version__.encode()
             return hashlib.sha256(key).hexdigest()

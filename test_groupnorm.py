@@ -3376,7 +3376,7 @@ def test_compile_pass_fuses_the_activation_after_group_norm_without_gradients():
     with torch.no_grad():
         gm = _dynamo_graph(block, x)
     assert gn._rewrite_group_norms(gm.graph, devices=("cpu",)) == 1
-    assert gn._fuse_activations(gm.graph) == 1
+    assert gn._fuse_epilogues(gm.graph) == 1
     (fused,) = _fused_calls(gm)
     assert fused.args[5:] == (None, None, None, [gn._ACTIVATION_CODES["silu"]], 0.01)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
@@ -3386,7 +3386,7 @@ def test_compile_pass_fuses_the_activation_after_group_norm_without_gradients():
     # backward yet, is not used
     gm = _dynamo_graph(block, x)
     assert gn._rewrite_group_norms(gm.graph, devices=("cpu",)) == 1
-    assert gn._fuse_activations(gm.graph) == 0
+    assert gn._fuse_epilogues(gm.graph) == 0
 
 
 def used_twice(t):
@@ -3417,13 +3417,77 @@ def test_compile_pass_fuses_what_the_kernels_compute(case):
     with torch.no_grad():
         gm = _dynamo_graph(fn, torch.randn(2, 8, 5))
     gn._rewrite_group_norms(gm.graph, devices=("cpu",))
-    fused = gn._fuse_activations(gm.graph)
+    fused = gn._fuse_epilogues(gm.graph)
     gm.graph.lint()
     if expected_codes is None:
         assert fused == 0 and not _fused_calls(gm)
         return
     (call,) = _fused_calls(gm)
     assert fused == 1 and call.args[8:] == (expected_codes, slope)
+
+
+def _epilogue_graph_case(case):
+    """(function, its inputs, the fused call's expected scale/shift/residual
+    operands as names of its inputs, expected codes) of a graph case."""
+    w, b = torch.randn(8), torch.randn(8)
+    silu = [gn._ACTIVATION_CODES["silu"]]
+
+    def scale_shift(t, temb, r):  # diffusers' scale-shift ResNet block, then a residual
+        scale, shift = torch.chunk(temb[:, :, None, None], 2, dim=1)
+        return F.silu(F.group_norm(t, 2, w, b) * (1 + scale) + shift) + r
+
+    def factor_twice(t, temb, r):
+        factor = temb[:, :8, None, None] + 1
+        return F.group_norm(t, 2, w, b) * factor + factor
+
+    t, temb, r = torch.randn(2, 8, 5, 3), torch.randn(2, 16), torch.randn(2, 8, 5, 3)
+    cases = {
+        "scale, shift, silu, residual": (scale_shift, (t, temb, r), (True, True, True), silu),
+        "shift alone": (lambda t, temb, r: F.group_norm(t, 2) + temb[:, 8:, None, None],
+                        (t, temb, r), (False, True, False), []),
+        "factor used twice": (factor_twice, (t, temb, r), (True, True, False), []),
+        "per channel, not per sample": (
+            lambda t, temb, r: F.silu(F.group_norm(t, 2) * (1 + temb[:1, :8, None, None])),
+            (t, temb, r), None, None),
+        "scale of another dtype": (
+            lambda t, temb, r: F.group_norm(t, 2) * (1 + temb.double()[:, :8, None, None]),
+            (t, temb, r), None, None),
+        "residual that broadcasts": (lambda t, temb, r: F.relu(F.group_norm(t, 2)) + r[:1],
+                                     (t, temb, r), (False, False, False),
+                                     [gn._ACTIVATION_CODES["relu"]]),
+    }
+    return cases[case]
+
+
+@pytest.mark.parametrize("case", ["scale, shift, silu, residual", "shift alone", "factor used twice",
+                                  "per channel, not per sample", "scale of another dtype",
+                                  "residual that broadcasts"])
+def test_compile_pass_fuses_scale_shift_and_residual(operators_on_the_cpu, case):
+    # the epilogue's tensors folded into the fused call where they are
+    # exactly (N, C, 1, ...) or the output's shape, in its dtype; the
+    # compiled function (CPU kernels registered for the operators) equals
+    # the eager one
+    fn, inputs, operands, codes = _epilogue_graph_case(case)
+    calls = []
+
+    def fusing_backend(gm, example_inputs):
+        gn._rewrite_group_norms(gm.graph, devices=("cpu",))
+        gn._fuse_epilogues(gm.graph)
+        gm.graph.lint()
+        gm.recompile()
+        calls.extend(_fused_calls(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(fn, backend=fusing_backend, fullgraph=True)(*inputs)
+        torch.testing.assert_close(compiled, fn(*inputs), rtol=1e-5, atol=1e-5)
+    if operands is None:
+        assert not calls
+        return
+    (call,) = calls
+    assert tuple(a is not None for a in call.args[5:8]) == operands
+    assert call.args[8] == codes
 
 
 @pytest.mark.parametrize("case", ["weight of another dtype", "autocast"])
