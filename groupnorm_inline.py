@@ -759,14 +759,55 @@ def _per_sample_channel(caller, name, t, input):
     would align it with the last two dims)."""
     if not isinstance(t, torch.Tensor):
         raise _WrongType(f"{caller}: {name} must be a torch.Tensor or None, got {type(t).__name__}")
-    N, C = input.shape[:2]
-    shape = tuple(t.shape)
-    if not (2 <= len(shape) <= input.dim() and shape[0] in (1, N) and shape[1] in (1, C)
-            and all(size == 1 for size in shape[2:])):
-        ones = ", 1" * (input.dim() - 2)
+    if not _per_sample_channel_shape(t.shape, input):
+        N, C = input.shape[:2]
         raise GroupNormError(f"{caller}: {name} must have shape (N, C) = ({N}, {C}), or one that "
-                             f"broadcasts like ({N}, {C}{ones}), got {list(shape)}")
-    return t.reshape(shape[:2]).expand(N, C)
+                             f"broadcasts like {_broadcast_like(input)}, got {list(t.shape)}")
+    return t.reshape(t.shape[:2]).expand(input.shape[:2])
+
+
+def _per_sample_channel_shape(shape, input):
+    """Whether shape is (N, C) or broadcasts to input like (N, C, 1, ...)."""
+    N, C = input.shape[:2]
+    return (2 <= len(shape) <= input.dim() and shape[0] in (1, N) and shape[1] in (1, C)
+            and all(size == 1 for size in shape[2:]))
+
+
+def _broadcast_like(input):
+    """'(N, C, 1, ...)' with input's sizes, for messages."""
+    return "(" + ", ".join(map(str, [*input.shape[:2], *[1] * (input.dim() - 2)])) + ")"
+
+
+def _pre_norm_sum(caller, input, add):
+    """input + add, what GroupNorm then normalises, rounded to the input's
+    dtype as torch's add rounds. add: the input's shape, or per (sample,
+    channel): (N, C) or like (N, C, 1, ...), sizes of 1 in N or C included.
+    By torch's add for now, a pass of its own: the kernels' prologue is
+    planned (docs/DESIGN.md, "Forward epilogue"), not built."""
+    if not isinstance(input, torch.Tensor):
+        raise _WrongType(f"{caller}: input must be a torch.Tensor, got {type(input).__name__}")
+    if not isinstance(add, torch.Tensor):
+        raise _WrongType(f"{caller}: add must be a torch.Tensor or None, got {type(add).__name__}")
+    if add.dtype != input.dtype:
+        raise _WrongType(f"{caller}: add dtype must be the input's ({input.dtype}), got {add.dtype}")
+    if add.device != input.device:
+        raise GroupNormError(f"{caller}: add must be on the input's device ({input.device}), got "
+                             f"one on {add.device}")
+    if add.shape == input.shape:
+        return input + add
+    if input.dim() < 2:  # the GroupNorm call names what is wrong with input
+        return input
+    if not _per_sample_channel_shape(add.shape, input):
+        N, C = input.shape[:2]
+        raise GroupNormError(f"{caller}: add must have the input's shape {list(input.shape)}, or "
+                             f"(N, C) = ({N}, {C}), or one that broadcasts like "
+                             f"{_broadcast_like(input)}; got {list(add.shape)}")
+    return input + add.reshape(add.shape[:2] + (1,) * (input.dim() - 2))
+
+
+def _check_return_sum(caller, return_sum):
+    if not isinstance(return_sum, bool):
+        raise _WrongType(f"{caller}: return_sum must be True or False, got {return_sum!r}")
 
 
 def _check_epilogue(caller, input, scale, shift, activation, residual):
@@ -850,7 +891,8 @@ def _fused_call(caller, epilogue, gamma, beta, groups, eps, kernel, team, lag, x
 
 
 def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, lag=0,
-                   scale=None, shift=None, activation=None, residual=None):
+                   scale=None, shift=None, activation=None, residual=None, add=None,
+                   return_sum=False):
     """GroupNorm of a CUDA tensor by this module's kernels, never by torch,
     forward and backward (autograd; under torch.compile / export through the
     registered op groupnorm_inline::forward).
@@ -861,7 +903,8 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
 
     scale, shift, activation, residual: the fused epilogue, as in group_norm
     (tensors of x's dtype and device), gradients included (torch.compile and
-    torch.export trace it as the operator <ns>::forward_fused).
+    torch.export trace it as the operator <ns>::forward_fused). add,
+    return_sum: the pre-norm sum, as in group_norm.
 
     For tests and tuning (forward only, eager only; 0 = automatic):
     `kernel` forces a kernel: "auto", "reference", "registers", "contiguous",
@@ -869,6 +912,12 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     the team kernels ("contiguous", "channels_last"); `lag` the stream
     kernels' lag in pieces.
     """
+    _check_return_sum("groupnorm_cuda", return_sum)
+    if add is not None or return_sum:
+        total = x if add is None else _pre_norm_sum("groupnorm_cuda", x, add)
+        y = groupnorm_cuda(total, gamma, beta, groups, eps, kernel=kernel, team=team, lag=lag,
+                           scale=scale, shift=shift, activation=activation, residual=residual)
+        return (y, total) if return_sum else y
     groups, eps = _check_cuda_arguments("groupnorm_cuda", x, groups, gamma, beta, eps)
     epilogue = _check_epilogue("groupnorm_cuda", x, scale, shift, activation, residual)
     if epilogue is not None:
@@ -967,11 +1016,12 @@ def _needs_grad(*tensors):
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=None, shift=None,
-               activation=None, residual=None, process_group=None):
+               activation=None, residual=None, add=None, return_sum=False, process_group=None):
     """Same signature and result as torch.nn.functional.group_norm, and an
     optional fused epilogue:
 
-        y = GN(input) * weight + bias
+        s = input + add                 add: input's shape, or (N, C), or like (N, C, 1, ...)
+        y = GN(s) * weight + bias
         y = y * (1 + scale) + shift     scale, shift: (N, C), or like (N, C, 1, ...)
         y = act(y)                      activation: see below
         y = y + residual                residual: the input's shape
@@ -1004,7 +1054,18 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
     GroupNorm of the whole tensor. Every rank of the group must make the
     call, and run its backward, as with any collective (_ShardedGroupNorm).
     torch.compile traces it (functional collectives), fullgraph=True too.
+
+    add, return_sum: GroupNorm of input + add (the pre-norm sum, rounded to
+    the input's dtype as torch's add rounds; in the add's shape, its
+    gradient); return_sum=True returns (y, s). The sum is torch's add for
+    now, a pass of its own before the kernels.
     """
+    _check_return_sum("group_norm", return_sum)
+    if add is not None or return_sum:
+        total = input if add is None else _pre_norm_sum("group_norm", input, add)
+        y = group_norm(total, num_groups, weight, bias, eps, scale=scale, shift=shift,
+                       activation=activation, residual=residual, process_group=process_group)
+        return (y, total) if return_sum else y
     num_groups, eps = _check_arguments("group_norm", input, num_groups, weight, bias, eps)
     epilogue = _check_epilogue("group_norm", input, scale, shift, activation, residual)
     if input.is_cuda and torch.is_autocast_enabled("cuda"):
@@ -1343,9 +1404,11 @@ class GroupNorm(nn.GroupNorm):
         name = type(self).__name__
         return f"groupnorm_inline.{name}" if type(self).__module__ == __name__ else name
 
-    def forward(self, input):
+    def forward(self, input, *, add=None, return_sum=False):
+        """nn.GroupNorm's forward; add and return_sum as in group_norm."""
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
-                          activation=self._activation, process_group=self.process_group)
+                          activation=self._activation, add=add, return_sum=return_sum,
+                          process_group=self.process_group)
 
 
 _TORCH_ACTIVATIONS = {nn.SiLU: "silu", nn.ReLU: "relu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",

@@ -1188,6 +1188,80 @@ def test_cpu_scale_and_shift_shapes():
         gn.group_norm(x, 3, residual=torch.randn(2, 6, 4, 1))
 
 
+# add's accepted shapes for an (N, C, *rest) input, and what each adds per element
+ADD_FORMS = {
+    "per sample and channel": lambda N, C, rest: (N, C),
+    "broadcast": lambda N, C, rest: (N, C) + (1,) * len(rest),
+    "one sample": lambda N, C, rest: (1, C) + (1,) * len(rest),
+    "full": lambda N, C, rest: (N, C, *rest),
+}
+
+
+def broadcast_add(add, x):
+    """add as torch broadcasts it against x after the module reads it."""
+    return add if add.shape == x.shape else add.reshape(add.shape[:2] + (1,) * (x.dim() - 2))
+
+
+@pytest.mark.parametrize("return_sum", [False, True], ids=["y", "y and s"])
+@pytest.mark.parametrize("form", list(ADD_FORMS))
+def test_cpu_add_is_group_norm_of_the_sum(form, return_sum):
+    # GroupNorm of x + add, then the epilogue, values and every gradient
+    # (add's in its own shape) against torch's autograd of the sequence
+    torch.manual_seed(3)
+    x = torch.randn(2, 8, 5, 3, dtype=torch.float64) + 3
+    add = torch.randn(ADD_FORMS[form](2, 8, (5, 3)), dtype=torch.float64)
+    w, b = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    dy, ds = torch.randn_like(x), torch.randn_like(x)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_() for t in (x, add, w, b)]
+        y, total = fn(*leaves)
+        loss = (y * dy).sum() + ((total * ds).sum() if return_sum else 0)
+        return [y.detach(), total.detach(), *torch.autograd.grad(loss, leaves)]
+
+    def ours(x, add, w, b):
+        out = gn.group_norm(x, 4, w, b, add=add, activation="silu", return_sum=return_sum)
+        return out if return_sum else (out, x + broadcast_add(add, x))
+
+    def theirs(x, add, w, b):
+        total = x + broadcast_add(add, x)
+        return F.silu(F.group_norm(total, 4, w, b)), total
+
+    for name, a, e in zip(("y", "s", "dx", "dadd", "dweight", "dbias"), run(ours), run(theirs)):
+        torch.testing.assert_close(a, e, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_cpu_add_refusals_and_the_module():
+    x = torch.randn(2, 6, 4, 5)
+    for shape in ((6,), (2, 6, 4, 1), (2, 6, 1, 1, 1), (3, 6), (2, 5)):
+        with pytest.raises(ValueError, match=re.escape("add must have the input's shape "
+                                                       "[2, 6, 4, 5], or (N, C) = (2, 6)")):
+            gn.group_norm(x, 3, add=torch.randn(shape))
+    with pytest.raises(TypeError, match="add dtype must be the input's"):
+        gn.group_norm(x, 3, add=torch.randn(2, 6, dtype=torch.float64))
+    with pytest.raises(TypeError, match="add must be a torch.Tensor or None, got list"):
+        gn.group_norm(x, 3, add=[1.0])
+    with pytest.raises(TypeError, match="return_sum must be True or False, got 1"):
+        gn.group_norm(x, 3, return_sum=1)
+    # the module takes them as keywords; without add, s is the input
+    layer = gn.GroupNorm(3, 6)
+    temb = torch.randn(2, 6)
+    torch.testing.assert_close(layer(x, add=temb), F.group_norm(x + temb[:, :, None, None], 3,
+                                                                layer.weight, layer.bias))
+    y, total = layer(x, return_sum=True)
+    assert total is x and torch.equal(y, layer(x))
+
+
+def test_cpu_add_under_torch_compile():
+    # traced in one graph with the symbolic batch of a dynamic compile
+    x, temb = torch.randn(2, 6, 4, 5), torch.randn(2, 6)
+    fn = torch.compile(lambda t, a: gn.group_norm(t, 3, add=a, activation="silu", return_sum=True),
+                       fullgraph=True, dynamic=True)
+    y, total = fn(x, temb)
+    torch.testing.assert_close(total, x + temb[:, :, None, None])
+    torch.testing.assert_close(y, F.silu(F.group_norm(total, 3)))
+
+
 def test_cpu_activation_names_and_chains():
     x = torch.randn(2, 6, 5)
     base = F.group_norm(x, 3)
@@ -3802,6 +3876,46 @@ def test_gpu_epilogue_gradients_match_float64(name, options, dtype, layout):
         slack = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1e-30)
         error, torch_error = tools.max_error(ours[key], ref), tools.max_error(theirs[key], ref)
         assert error <= 2 * torch_error + slack, (key, error, torch_error)
+
+
+@cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("form", list(ADD_FORMS))
+def test_gpu_add_matches_float64(form, dtype, layout):
+    # the pre-norm sum on the CUDA path (torch's add, then the kernels): y,
+    # s and every gradient against the torch sequence in float64, as close
+    # as that sequence in the dtype is; s bitwise torch's add
+    x = make_input((2, 32, 9, 7), dtype, layout, "cuda", shift=1.0)
+    add = torch.randn(ADD_FORMS[form](2, 32, (9, 7)), device="cuda").to(dtype)
+    w, b = affine(32, dtype, "cuda", "both")
+    dy, ds = torch.randn_like(x), torch.randn_like(x)
+
+    def run(fn, cast):
+        leaves = [cast(t).detach().requires_grad_() for t in (x, add, w, b)]
+        y, total = fn(*leaves)
+        grads = torch.autograd.grad((y * cast(dy)).sum() + (total * cast(ds)).sum(), leaves)
+        return {"y": y.detach(), "s": total.detach(),
+                **dict(zip(("dx", "dadd", "dweight", "dbias"), grads))}
+
+    def ours(t, a, weight, bias):
+        return gn.group_norm(t, 8, weight, bias, add=a, activation="silu", return_sum=True)
+
+    def sequence(t, a, weight, bias):
+        total = t + broadcast_add(a, t)
+        return F.silu(F.group_norm(total, 8, weight, bias)), total
+
+    mine, exact, theirs = run(ours, lambda v: v), run(sequence, lambda v: v.double()), \
+        run(sequence, lambda v: v)
+    assert torch.equal(mine["s"], theirs["s"])
+    for key, ref in exact.items():
+        slack = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1e-30)
+        error, torch_error = tools.max_error(mine[key], ref), tools.max_error(theirs[key], ref)
+        assert error <= 2 * torch_error + slack, (key, error, torch_error)
+    # and forced kernels take it too
+    y, total = gn.groupnorm_cuda(x, w, b, 8, add=add, return_sum=True, kernel="reference")
+    torch.testing.assert_close(y, gn.groupnorm_cuda(x + broadcast_add(add, x), w, b, 8,
+                                                    kernel="reference"), rtol=0, atol=0)
 
 
 @cuda
