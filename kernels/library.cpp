@@ -303,8 +303,13 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
           values.pop_back();  // each value dies once its step is taken back
         }
       }
-      if (need_shift) dshift = per_sample_channel(g);
-      if (need_scale) dscale = per_sample_channel(g * affine);
+      // in the shape scale and shift came in: [N, C], or [N, C, 1, ...] from a graph
+      const auto like = [](at::Tensor t, const at::Tensor& input) {
+        while (t.dim() < input.dim()) t = t.unsqueeze(-1);
+        return t;
+      };
+      if (need_shift) dshift = like(per_sample_channel(g), shift);
+      if (need_scale) dscale = like(per_sample_channel(g * affine), scale);
       if (need_dx || need_weight || need_bias) {
         if (scale.defined()) g = g * (per_channel(scale) + 1);
         std::tie(dx, dweight, dbias) = operators->backward.call(

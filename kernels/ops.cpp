@@ -113,11 +113,15 @@ at::Tensor check_modulation(const c10::optional<at::Tensor>& t, const char* name
                             const at::Tensor& x) {
   if (!t.has_value() || !t->defined()) return at::Tensor();
   const int64_t N = x.size(0), C = x.size(1);
-  TORCH_CHECK_VALUE(t->dim() == 2 && t->size(0) == N && t->size(1) == C,
+  // [N, C], or [N, C, 1, ...] as graphs broadcast it (the compile pass folds those)
+  bool per_channel = t->dim() >= 2 && t->dim() <= x.dim() && t->size(0) == N && t->size(1) == C;
+  for (int64_t d = 2; per_channel && d < t->dim(); ++d) per_channel = t->size(d) == 1;
+  TORCH_CHECK_VALUE(per_channel,
                     message("groupnorm: ", name, " must have shape [", N, ", ", C,
-                            "] (one value per sample and channel), got ", t->sizes()));
+                            "] (one value per sample and channel) or [", N, ", ", C,
+                            ", 1, ...], got ", t->sizes()));
   check_like_input(*t, name, x);
-  return t->contiguous();
+  return t->reshape({N, C}).contiguous();
 }
 
 // Whether a and b (of one shape) put every element at the same offset.
