@@ -810,6 +810,13 @@ def _check_return_sum(caller, return_sum):
         raise _WrongType(f"{caller}: return_sum must be True or False, got {return_sum!r}")
 
 
+def _normalise_sum(caller, input, add, return_sum, normalise):
+    """normalise(input + add), and with return_sum the sum too."""
+    total = input if add is None else _pre_norm_sum(caller, input, add)
+    y = normalise(total)
+    return (y, total) if return_sum else y
+
+
 def _check_epilogue(caller, input, scale, shift, activation, residual):
     """The epilogue options, checked against input's shape: an _Epilogue, or
     None when there is nothing to apply."""
@@ -914,10 +921,9 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     """
     _check_return_sum("groupnorm_cuda", return_sum)
     if add is not None or return_sum:
-        total = x if add is None else _pre_norm_sum("groupnorm_cuda", x, add)
-        y = groupnorm_cuda(total, gamma, beta, groups, eps, kernel=kernel, team=team, lag=lag,
-                           scale=scale, shift=shift, activation=activation, residual=residual)
-        return (y, total) if return_sum else y
+        return _normalise_sum("groupnorm_cuda", x, add, return_sum, lambda total: groupnorm_cuda(
+            total, gamma, beta, groups, eps, kernel=kernel, team=team, lag=lag, scale=scale,
+            shift=shift, activation=activation, residual=residual))
     groups, eps = _check_cuda_arguments("groupnorm_cuda", x, groups, gamma, beta, eps)
     epilogue = _check_epilogue("groupnorm_cuda", x, scale, shift, activation, residual)
     if epilogue is not None:
@@ -1062,10 +1068,9 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
     """
     _check_return_sum("group_norm", return_sum)
     if add is not None or return_sum:
-        total = input if add is None else _pre_norm_sum("group_norm", input, add)
-        y = group_norm(total, num_groups, weight, bias, eps, scale=scale, shift=shift,
-                       activation=activation, residual=residual, process_group=process_group)
-        return (y, total) if return_sum else y
+        return _normalise_sum("group_norm", input, add, return_sum, lambda total: group_norm(
+            total, num_groups, weight, bias, eps, scale=scale, shift=shift, activation=activation,
+            residual=residual, process_group=process_group))
     num_groups, eps = _check_arguments("group_norm", input, num_groups, weight, bias, eps)
     epilogue = _check_epilogue("group_norm", input, scale, shift, activation, residual)
     if input.is_cuda and torch.is_autocast_enabled("cuda"):
@@ -1738,17 +1743,26 @@ def _epilogue_operand(node, value, per_channel):
     return _fixed_size(tuple(tensor.shape), expected)
 
 
+def _only_user_with(node, functions, method):
+    """(node's only user, its other operand) when that user is a binary call
+    of one of `functions` or of the Tensor method `method` on node and one
+    other graph value; else None."""
+    if len(node.users) != 1:
+        return None
+    user = next(iter(node.users))
+    other = _other_operand(_operands(user, functions, method) or (None, None), node)
+    return (user, other) if isinstance(other, torch.fx.Node) else None
+
+
 def _scale_step(node, value):
     """(the multiply, the (1 + scale) node, scale) when node's only user
     computes node * (1 + scale)."""
     import operator
 
-    if len(node.users) != 1:
+    step = _only_user_with(node, (operator.mul, torch.mul), "mul")
+    if step is None:
         return None
-    user = next(iter(node.users))
-    factor = _other_operand(_operands(user, (operator.mul, torch.mul), "mul") or (None, None), node)
-    if not isinstance(factor, torch.fx.Node):
-        return None
+    user, factor = step
     pair = _operands(factor, (operator.add, torch.add), "add")
     one = [a for a in pair or () if not isinstance(a, (torch.fx.Node, bool)) and a == 1]
     scale = [a for a in pair or () if isinstance(a, torch.fx.Node)]
@@ -1762,13 +1776,8 @@ def _add_step(node, value, per_channel):
     (per_channel) or a residual to it."""
     import operator
 
-    if len(node.users) != 1:
-        return None
-    user = next(iter(node.users))
-    other = _other_operand(_operands(user, (operator.add, torch.add), "add") or (None, None), node)
-    if not isinstance(other, torch.fx.Node) or not _epilogue_operand(other, value, per_channel):
-        return None
-    return user, other
+    step = _only_user_with(node, (operator.add, torch.add), "add")
+    return step if step is not None and _epilogue_operand(step[1], value, per_channel) else None
 
 
 def _fuse_epilogues(graph):
@@ -1897,7 +1906,8 @@ def _group_norm_pass_class():
         def uuid(self):
             code = b"".join(marshal.dumps(f.__code__) for f in
                             (_rewrite_group_norms, _graph_activation, _fuse_epilogues, _operands,
-                             _other_operand, _fixed_size, _epilogue_operand, _scale_step, _add_step))
+                             _other_operand, _fixed_size, _epilogue_operand, _only_user_with,
+                             _scale_step, _add_step))
             table = str([(f.__name__, entry) for f, entry in _GRAPH_ACTIVATIONS.items()])
             key = code + table.encode() + _NAMESPACE.encode() + __version__.encode()
             return hashlib.sha256(key).hexdigest()

@@ -265,10 +265,11 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
       at::NoGradGuard no_grad;
       // scale and shift as [N, C, 1, ...]: unsqueezed, not reshaped to
       // sizes, which torch.compile would fix as constants
-      const auto per_channel = [&](at::Tensor t) {
-        while (t.dim() < x.dim()) t = t.unsqueeze(-1);
+      const auto unsqueezed = [](at::Tensor t, int64_t dims) {
+        while (t.dim() < dims) t = t.unsqueeze(-1);
         return t;
       };
+      const auto per_channel = [&](const at::Tensor& t) { return unsqueezed(t, x.dim()); };
       std::vector<int64_t> spatial;  // the dims scale and shift broadcast over
       for (int64_t d = 2; d < x.dim(); ++d) spatial.push_back(d);
       // sums over them (none: an (N, C) input, where sum() would take every dim)
@@ -304,12 +305,8 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
         }
       }
       // in the shape scale and shift came in: [N, C], or [N, C, 1, ...] from a graph
-      const auto like = [](at::Tensor t, const at::Tensor& input) {
-        while (t.dim() < input.dim()) t = t.unsqueeze(-1);
-        return t;
-      };
-      if (need_shift) dshift = like(per_sample_channel(g), shift);
-      if (need_scale) dscale = like(per_sample_channel(g * affine), scale);
+      if (need_shift) dshift = unsqueezed(per_sample_channel(g), shift.dim());
+      if (need_scale) dscale = unsqueezed(per_sample_channel(g * affine), scale.dim());
       if (need_dx || need_weight || need_bias) {
         if (scale.defined()) g = g * (per_channel(scale) + 1);
         std::tie(dx, dweight, dbias) = operators->backward.call(
