@@ -693,14 +693,16 @@ class _Epilogue(typing.NamedTuple):
     """What group_norm applies after the affine: scale and shift as (N, C)
     tensors (views; broadcast shapes expanded) or None, the residual (the
     input's shape) or None, and the activation chain as ((name, slope), ...),
-    slope a float for leaky_relu and None for the others."""
+    slope a float for leaky_relu and None for the others; and before the
+    norm, the kernels' prologue: add, an (N, C) view, or None."""
     scale: typing.Optional[torch.Tensor]
     shift: typing.Optional[torch.Tensor]
     residual: typing.Optional[torch.Tensor]
     steps: tuple
+    add: typing.Optional[torch.Tensor] = None
 
     def tensors(self):
-        return [t for t in (self.scale, self.shift, self.residual) if t is not None]
+        return [t for t in (self.add, self.scale, self.shift, self.residual) if t is not None]
 
     def codes(self):
         return [_ACTIVATION_CODES[name] for name, _ in self.steps]
@@ -778,12 +780,7 @@ def _broadcast_like(input):
     return "(" + ", ".join(map(str, [*input.shape[:2], *[1] * (input.dim() - 2)])) + ")"
 
 
-def _pre_norm_sum(caller, input, add):
-    """input + add, what GroupNorm then normalises, rounded to the input's
-    dtype as torch's add rounds. add: the input's shape, or per (sample,
-    channel): (N, C) or like (N, C, 1, ...), sizes of 1 in N or C included.
-    By torch's add for now, a pass of its own: the kernels' prologue is
-    planned (docs/DESIGN.md, "Forward epilogue"), not built."""
+def _check_add(caller, input, add):
     if not isinstance(input, torch.Tensor):
         raise _WrongType(f"{caller}: input must be a torch.Tensor, got {type(input).__name__}")
     if not isinstance(add, torch.Tensor):
@@ -793,6 +790,27 @@ def _pre_norm_sum(caller, input, add):
     if add.device != input.device:
         raise GroupNormError(f"{caller}: add must be on the input's device ({input.device}), got "
                              f"one on {add.device}")
+
+
+def _prologue_add(caller, input, add):
+    """add as the kernels' prologue takes it, an (N, C) view, when it is one
+    per (sample, channel); None for another shape (the input's full shape:
+    torch's add forms the sum; a wrong one: _pre_norm_sum names it)."""
+    _check_add(caller, input, add)
+    if input.dim() < 2 or (add.shape == input.shape and input.dim() > 2):
+        return None
+    if not _per_sample_channel_shape(add.shape, input):
+        return None
+    return _per_sample_channel(caller, "add", add, input)
+
+
+def _pre_norm_sum(caller, input, add):
+    """input + add by torch's add, what GroupNorm then normalises, rounded
+    to the input's dtype: add of the input's shape, or per (sample, channel):
+    (N, C) or like (N, C, 1, ...), sizes of 1 in N or C included. A pass of
+    its own, for what the kernels' prologue does not take (return_sum, a
+    full-shape add, torch's path, process_group)."""
+    _check_add(caller, input, add)
     if add.shape == input.shape:
         return input + add
     if input.dim() < 2:  # the GroupNorm call names what is wrong with input
@@ -817,11 +835,12 @@ def _normalise_sum(caller, input, add, return_sum, normalise):
     return (y, total) if return_sum else y
 
 
-def _check_epilogue(caller, input, scale, shift, activation, residual):
-    """The epilogue options, checked against input's shape: an _Epilogue, or
+def _check_epilogue(caller, input, scale, shift, activation, residual, add=None):
+    """The epilogue options, checked against input's shape, and the
+    prologue's add (an (N, C) view from _prologue_add): an _Epilogue, or
     None when there is nothing to apply."""
     steps = _activation_steps(caller, activation)
-    if scale is None and shift is None and residual is None and not steps:
+    if scale is None and shift is None and residual is None and not steps and add is None:
         return None
     if scale is not None:
         scale = _per_sample_channel(caller, "scale", scale, input)
@@ -834,12 +853,12 @@ def _check_epilogue(caller, input, scale, shift, activation, residual):
         if residual.shape != input.shape:
             raise GroupNormError(f"{caller}: residual must have the input's shape "
                                  f"{list(input.shape)}, got {list(residual.shape)}")
-    return _Epilogue(scale, shift, residual, steps)
+    return _Epilogue(scale, shift, residual, steps, add)
 
 
 def _check_epilogue_like(caller, epilogue, input):
     """The epilogue's tensors must have the input's dtype and device."""
-    for name, t in (("scale", epilogue.scale), ("shift", epilogue.shift),
+    for name, t in (("add", epilogue.add), ("scale", epilogue.scale), ("shift", epilogue.shift),
                     ("residual", epilogue.residual)):
         if t is not None and t.dtype != input.dtype:
             raise _WrongType(f"{caller}: {name} dtype must be the input's ({input.dtype}), got "
@@ -891,10 +910,11 @@ def _fused_call(caller, epilogue, gamma, beta, groups, eps, kernel, team, lag, x
         else:
             load()  # the operator's kernels are the extension's
         return _OPS.forward_fused(x, gamma, beta, groups, eps, epilogue.scale, epilogue.shift,
-                                  epilogue.residual, epilogue.codes(), epilogue.slope())[0]
+                                  epilogue.residual, epilogue.codes(), epilogue.slope(),
+                                  epilogue.add)[0]
     return load().forward_fused(x, gamma, beta, groups, eps, kernel, team, lag, epilogue.scale,
                                 epilogue.shift, epilogue.residual, epilogue.codes(),
-                                epilogue.slope())[0]
+                                epilogue.slope(), epilogue.add)[0]
 
 
 def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, lag=0,
@@ -920,12 +940,13 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     kernels' lag in pieces.
     """
     _check_return_sum("groupnorm_cuda", return_sum)
-    if add is not None or return_sum:
+    prologue = None if add is None or return_sum else _prologue_add("groupnorm_cuda", x, add)
+    if (add is not None and prologue is None) or return_sum:
         return _normalise_sum("groupnorm_cuda", x, add, return_sum, lambda total: groupnorm_cuda(
             total, gamma, beta, groups, eps, kernel=kernel, team=team, lag=lag, scale=scale,
             shift=shift, activation=activation, residual=residual))
     groups, eps = _check_cuda_arguments("groupnorm_cuda", x, groups, gamma, beta, eps)
-    epilogue = _check_epilogue("groupnorm_cuda", x, scale, shift, activation, residual)
+    epilogue = _check_epilogue("groupnorm_cuda", x, scale, shift, activation, residual, prologue)
     if epilogue is not None:
         _check_epilogue_like("groupnorm_cuda", epilogue, x)
     if _func_transformed(x, gamma, beta, *(epilogue.tensors() if epilogue else ())):
@@ -1063,23 +1084,29 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
 
     add, return_sum: GroupNorm of input + add (the pre-norm sum, rounded to
     the input's dtype as torch's add rounds; in the add's shape, its
-    gradient); return_sum=True returns (y, s). The sum is torch's add for
-    now, a pass of its own before the kernels.
+    gradient); return_sum=True returns (y, s). On CUDA an add of one value
+    per (sample, channel) is added where the kernels load the input; a
+    full-shape add, return_sum and autocast take torch's add first.
     """
     _check_return_sum("group_norm", return_sum)
-    if add is not None or return_sum:
+    prologue = None  # an (N, C) add, for the kernels' prologue
+    autocast = isinstance(input, torch.Tensor) and input.is_cuda and torch.is_autocast_enabled("cuda")
+    if add is not None and not return_sum and process_group is None and not autocast:
+        # (under autocast torch's add rounds s to the input's dtype first)
+        prologue = _prologue_add("group_norm", input, add)
+    if (add is not None and prologue is None) or return_sum:
         return _normalise_sum("group_norm", input, add, return_sum, lambda total: group_norm(
             total, num_groups, weight, bias, eps, scale=scale, shift=shift, activation=activation,
             residual=residual, process_group=process_group))
     num_groups, eps = _check_arguments("group_norm", input, num_groups, weight, bias, eps)
-    epilogue = _check_epilogue("group_norm", input, scale, shift, activation, residual)
+    epilogue = _check_epilogue("group_norm", input, scale, shift, activation, residual, prologue)
     if input.is_cuda and torch.is_autocast_enabled("cuda"):
         # torch's float32 autocast policy: half-precision tensors become
         # float32, float64 ones stay as they are
         input, weight, bias = (_autocast_float32(t) for t in (input, weight, bias))
         if epilogue is not None:
             epilogue = epilogue._replace(**{name: _autocast_float32(getattr(epilogue, name))
-                                            for name in ("scale", "shift", "residual")})
+                                            for name in ("add", "scale", "shift", "residual")})
     if epilogue is not None:
         _check_epilogue_like("group_norm", epilogue, input)
     if process_group is not None:  # a rank's slab may be empty
@@ -1098,6 +1125,8 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
     if weight is None and bias is not None and _needs_grad(input, weight, bias):
         # torch's backward before 2.14 fails on a bias without a weight
         weight = torch.ones_like(bias)
+    if epilogue is not None and epilogue.add is not None:  # torch's add first
+        input = input + epilogue.add.reshape(input.shape[:2] + (1,) * (input.dim() - 2))
     y = F.group_norm(input, num_groups, weight, bias, eps)
     return y if epilogue is None else _torch_epilogue(y, epilogue)
 
@@ -1267,7 +1296,7 @@ _SCHEMAS = {
     # forward with the epilogue (scale, shift: (N, C); activations: codes)
     "forward_fused": "forward_fused(Tensor x, Tensor? weight, Tensor? bias, int groups, float eps, "
                      "Tensor? scale, Tensor? shift, Tensor? residual, int[] activations, "
-                     "float slope) -> (Tensor, Tensor, Tensor)",
+                     "float slope, Tensor? add=None) -> (Tensor, Tensor, Tensor)",
 }
 
 
@@ -1303,7 +1332,8 @@ def _forward_fake(x, weight, bias, groups, eps):
     return y, x.new_empty(stats, dtype=_stat_dtype(x)), x.new_empty(stats, dtype=_stat_dtype(x))
 
 
-def _forward_fused_fake(x, weight, bias, groups, eps, scale, shift, residual, activations, slope):
+def _forward_fused_fake(x, weight, bias, groups, eps, scale, shift, residual, activations, slope,
+                        add=None):
     return _forward_fake(x, weight, bias, groups, eps)
 
 

@@ -674,7 +674,7 @@ def test_kernelbench_92_solution_contract_on_cpu(monkeypatch):
 
     class Extension:
         def forward_fused(self, x, weight, bias, groups, eps, kernel, team, lag, scale, shift,
-                          residual, activations, slope):
+                          residual, activations, slope, add=None):
             calls.append((kernel, team, lag, scale, shift, residual is x, activations))
             y = torch.tanh(F.group_norm(torch.Tensor(x), groups, weight, bias, eps))
             return torch.Tensor(residual) + F.hardswish(y), None, None
@@ -1361,7 +1361,7 @@ def fake_fused_extension(monkeypatch):
             return torch.Tensor.clone(x), None, None
 
         def forward_fused(self, x, weight, bias, groups, eps, kernel, team, lag, scale, shift,
-                          residual, activations, slope):
+                          residual, activations, slope, add=None):
             calls.append(("forward_fused", kernel, team, lag, scale, shift, residual, activations,
                           slope))
             return torch.Tensor.clone(x), None, None
@@ -1390,7 +1390,7 @@ def test_fused_call_reaches_the_extension_with_codes_and_slope(monkeypatch):
 
 def recorded_operators(monkeypatch):
     """gn._OPS stood in for: each forward_fused call's epilogue arguments
-    (scale, shift, residual, codes, slope) recorded, the input returned."""
+    (scale, shift, residual, codes, slope, add) recorded, the input returned."""
     ops = []
 
     class Operators:
@@ -1457,7 +1457,10 @@ def operators_on_the_cpu():
         empty = x.new_empty(0)
         return (dx if need_dx else empty, *(affine if need_affine else (empty, empty)))
 
-    def forward_fused(x, weight, bias, groups, eps, scale, shift, residual, activations, slope):
+    def forward_fused(x, weight, bias, groups, eps, scale, shift, residual, activations, slope,
+                      add=None):
+        if add is not None:
+            x = x + add.reshape(x.shape[:2] + (1,) * (x.dim() - 2))
         y, mean, rstd = forward(x, weight, bias, groups, eps)
         steps = tuple((names[c], slope if names[c] == "leaky_relu" else None) for c in activations)
         epilogue = gn._Epilogue(scale, shift, residual, steps)
@@ -1470,7 +1473,7 @@ def operators_on_the_cpu():
     library._destroy()
 
 
-OPTIONAL_INPUTS = ("weight", "bias", "scale", "shift", "residual")
+OPTIONAL_INPUTS = ("weight", "bias", "scale", "shift", "residual", "add")
 
 
 def unfused_group_norm(x, groups, weight, bias, eps=1e-5):
@@ -1495,7 +1498,7 @@ def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_c
                   bias=torch.randn(8, dtype=torch.float64),
                   scale=0.5 * torch.randn(3, 8, dtype=torch.float64),
                   shift=torch.randn(3, 8, dtype=torch.float64),
-                  residual=torch.randn_like(x))
+                  residual=torch.randn_like(x), add=torch.randn(3, 8, dtype=torch.float64))
     if wanted == "some absent":
         values.update(weight=None, shift=None)
     present = {k for k, v in values.items() if v is not None}
@@ -1509,12 +1512,12 @@ def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_c
         y = run(**leaves)
         return dict(zip(sorted(wants), torch.autograd.grad(y, [leaves[k] for k in sorted(wants)], dy)))
 
-    ours = gradients(lambda x, weight, bias, scale, shift, residual: torch.ops.groupnorm_inline.forward_fused(
-        x, weight, bias, 4, 1e-5, scale, shift, residual, codes, 0.2)[0])
+    ours = gradients(lambda x, weight, bias, scale, shift, residual, add: torch.ops.groupnorm_inline.forward_fused(
+        x, weight, bias, 4, 1e-5, scale, shift, residual, codes, 0.2, add)[0])
     steps = tuple(("leaky_relu", 0.2) if n == "leaky_relu" else n for n in chain)
-    theirs = gradients(lambda x, weight, bias, scale, shift, residual: apply_epilogue(
-        unfused_group_norm(x, 4, weight, bias), scale=scale, shift=shift, residual=residual,
-        activation=steps or None))
+    theirs = gradients(lambda x, weight, bias, scale, shift, residual, add: apply_epilogue(
+        unfused_group_norm(x + add.reshape(add.shape + (1,) * (x.dim() - 2)), 4, weight, bias),
+        scale=scale, shift=shift, residual=residual, activation=steps or None))
     for key in wants:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-9, atol=1e-9, msg=key)
 
@@ -1551,7 +1554,7 @@ def test_fused_call_under_torch_compile_calls_the_operator(monkeypatch):
     gn.group_norm(x, 3, activation=("leaky_relu", 0.2))
     gn.groupnorm_cuda(x, None, None, 3, shift=shift, activation="silu")
     assert calls == []
-    assert ops[0] == (None, None, None, [gn._ACTIVATION_CODES["leaky_relu"]], 0.2)
+    assert ops[0] == (None, None, None, [gn._ACTIVATION_CODES["leaky_relu"]], 0.2, None)
     assert torch.equal(ops[1][1], shift) and ops[1][3] == [gn._ACTIVATION_CODES["silu"]]
 
 
@@ -3773,6 +3776,32 @@ def test_gpu_epilogue_forced_paths(case):
 
 
 @cuda
+@pytest.mark.parametrize("case", FORCED, ids=forced_id)
+def test_gpu_add_prologue_equals_the_add_first(case):
+    # an (N, C) add inside the kernels (the prologue; the stream kernels form
+    # s by a separate add first) gives bitwise what the same kernel gives for
+    # x + add computed by torch: s rounds as torch's add rounds, and the
+    # kernel then sees the same values in the same order. The input and add
+    # are left as they were.
+    shape, groups, dtype, layout, kernel, n = case
+    if kernel == "registers":  # it takes no prologue either
+        return
+    x, _, force = forced_input(case)
+    add = torch.randn(shape[:2], device="cuda").to(dtype)
+    w, b = affine(shape[1], dtype, "cuda", "both")
+    before = (x.clone(), add.clone())
+    per_channel = add.reshape(shape[:2] + (1,) * (len(shape) - 2))
+    for activation in (None, "silu"):
+        ours = gn.groupnorm_cuda(x, w, b, groups, kernel=kernel, add=add, activation=activation,
+                                 **force)
+        # the fused kernel for x + add too: a scale of zeros changes no value
+        options = {"activation": activation} if activation else {"scale": torch.zeros_like(add)}
+        first = gn.groupnorm_cuda(x + per_channel, w, b, groups, kernel=kernel, **options, **force)
+        assert torch.equal(ours, first), (activation, tools.max_error(ours, first))
+    assert torch.equal(x, before[0]) and torch.equal(add, before[1]), "an input was modified"
+
+
+@cuda
 def test_gpu_epilogue_residual_of_other_strides_and_alignment():
     w, b = affine(32, torch.float16, "cuda", "both")
     for layout, other in (("contiguous", "channels_last"), ("channels_last", "contiguous")):
@@ -3909,13 +3938,15 @@ def test_gpu_epilogue_gradients_match_float64(name, options, dtype, layout):
 
 
 @cuda
+@pytest.mark.parametrize("return_sum", [False, True], ids=["y", "y and s"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("form", list(ADD_FORMS))
-def test_gpu_add_matches_float64(form, dtype, layout):
-    # the pre-norm sum on the CUDA path (torch's add, then the kernels): y,
-    # s and every gradient against the torch sequence in float64, as close
-    # as that sequence in the dtype is; s bitwise torch's add
+def test_gpu_add_matches_float64(form, dtype, layout, return_sum):
+    # the pre-norm sum on the CUDA path (the kernels' prologue for an (N, C)
+    # add without return_sum, else torch's add first): y, s and every
+    # gradient against the torch sequence in float64, as close as that
+    # sequence in the dtype is; s bitwise torch's add
     x = make_input((2, 32, 9, 7), dtype, layout, "cuda", shift=1.0)
     add = torch.randn(ADD_FORMS[form](2, 32, (9, 7)), device="cuda").to(dtype)
     w, b = affine(32, dtype, "cuda", "both")
@@ -3929,7 +3960,10 @@ def test_gpu_add_matches_float64(form, dtype, layout):
                 **dict(zip(("dx", "dadd", "dweight", "dbias"), grads))}
 
     def ours(t, a, weight, bias):
-        return gn.group_norm(t, 8, weight, bias, add=a, activation="silu", return_sum=True)
+        if return_sum:
+            return gn.group_norm(t, 8, weight, bias, add=a, activation="silu", return_sum=True)
+        return (gn.group_norm(t, 8, weight, bias, add=a, activation="silu"),
+                t + broadcast_add(a, t))  # s for the loss's second term, by torch
 
     def sequence(t, a, weight, bias):
         total = t + broadcast_add(a, t)

@@ -2,7 +2,8 @@
 // forward's normalise-and-affine with its epilogue, and the backward's dx.
 //
 // The forward epilogue (issue 24) is
-//   y = GN(x) * gamma + beta;  y = y * (1 + scale) + shift;  y = act(y);  y = y + residual
+//   s = x + add;  y = GN(s) * gamma + beta;  y = y * (1 + scale) + shift;  y = act(y);
+//   y = y + residual
 // with scale, shift per (sample, channel) and residual in y's layout. Each
 // forward kernel takes it as a compile-time switch (kFused) and, when on, a
 // run-time value (Epilogue<scalar_t, true>): the plain instantiation compiles
@@ -36,6 +37,7 @@ struct Epilogue {};
 template <typename scalar_t>
 struct Epilogue<scalar_t, true> {
   using A = acc_t<scalar_t>;
+  const scalar_t* add;       // [N, C] or nullptr: the norm of x + add (the prologue)
   const scalar_t* scale;     // [N, C] or nullptr: y * (1 + scale)
   const scalar_t* shift;     // [N, C] or nullptr: + shift
   const scalar_t* residual;  // y's layout and strides, or nullptr: added last
@@ -44,6 +46,58 @@ struct Epilogue<scalar_t, true> {
   int activations;           // length of the chain, 0 to kMaxActivations
   uint32_t chain;            // activation i in bits 8i to 8i + 7 (Activation codes)
 };
+
+// The prologue: s = x + add[nc], rounded to scalar_t as torch's add rounds,
+// what the kernels normalise in place of x; x itself without an add. The
+// team and reference kernels take it; the planner gives calls with an add
+// no other kernel (ops.cpp forms s by a separate add for the rest).
+template <typename scalar_t, bool kFused>
+__device__ __forceinline__ bool has_add(const Epilogue<scalar_t, kFused>& ep) {
+  if constexpr (kFused) {
+    return ep.add != nullptr;
+  } else {
+    return false;
+  }
+}
+
+template <typename scalar_t, bool kFused>
+__device__ __forceinline__ scalar_t pre_norm(scalar_t x, int64_t nc,
+                                             const Epilogue<scalar_t, kFused>& ep) {
+  if constexpr (kFused) {
+    using A = acc_t<scalar_t>;
+    if (ep.add != nullptr) return static_cast<scalar_t>(static_cast<A>(x) + static_cast<A>(ep.add[nc]));
+  }
+  return x;
+}
+
+// V lanes of one channel nc (the contiguous layout).
+template <typename scalar_t, int V, bool kFused>
+__device__ __forceinline__ Vec<scalar_t, V> pre_norm_vec(const Vec<scalar_t, V>& v, int64_t nc,
+                                                         const Epilogue<scalar_t, kFused>& ep) {
+  if constexpr (kFused) {
+    if (ep.add != nullptr) {
+      using A = acc_t<scalar_t>;
+      const A a = static_cast<A>(ep.add[nc]);
+      Vec<scalar_t, V> s;
+#pragma unroll
+      for (int e = 0; e < V; ++e) s.val[e] = static_cast<scalar_t>(static_cast<A>(v.val[e]) + a);
+      return s;
+    }
+  }
+  return v;
+}
+
+// V lanes of V channels whose add values a thread holds (the channels-last
+// layout: a thread's column of channels is fixed for a unit).
+template <typename scalar_t, int V>
+__device__ __forceinline__ Vec<scalar_t, V> pre_norm_lanes(const Vec<scalar_t, V>& v,
+                                                           const acc_t<scalar_t> (&a)[V]) {
+  using A = acc_t<scalar_t>;
+  Vec<scalar_t, V> s;
+#pragma unroll
+  for (int e = 0; e < V; ++e) s.val[e] = static_cast<scalar_t>(static_cast<A>(v.val[e]) + a[e]);
+  return s;
+}
 
 // y = (x - mean) * scale + shift for one channel, with scale = rstd * gamma[c]
 // and shift = beta[c], or with the epilogue's scale and shift folded in.

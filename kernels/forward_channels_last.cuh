@@ -79,6 +79,23 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     const scalar_t* xs = first + c0;
     const int64_t y_at = offset + c0;  // this thread's column of the slice's first row in y
     scalar_t* ks = on_chip + c0;
+    // with the prologue, s = x + add of a kept row's vector (the host gives
+    // a call with an add this kernel only when its whole slice is kept)
+    const auto value = [&](const VecT& v) {
+      if constexpr (kFused) {
+        if (ep.add != nullptr) {  // read again a row: nothing held across the sweeps
+          A a[V];
+#pragma unroll
+          for (int e = 0; e < V; ++e) a[e] = static_cast<A>(ep.add[n * ldc + c_unit + c0 + e]);
+          return pre_norm_lanes(v, a);
+        }
+      }
+      return v;
+    };
+    // the slice's first element of channel cc of the unit, the centring constant
+    const auto first_of = [&](int cc) {
+      return static_cast<A>(pre_norm(first[cc], n * ldc + c_unit + cc, ep));
+    };
 
     // Sweep 1: sum x - shift per channel. The shift, the group's first
     // element in this slice, keeps the float sum small for inputs far from
@@ -92,7 +109,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     int run_n = 0;  // rows not kept, this thread's: under 2^31
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      shift[e] = rows > 0 ? static_cast<A>(first[group[e] * D]) : A(0);
+      shift[e] = rows > 0 ? first_of(group[e] * D) : A(0);
       sum[e] = 0;
       run_mean[e] = 0;
       run_m2[e] = 0;
@@ -120,7 +137,11 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
       for (int e = 0; e < V; ++e) sum[e] = A(run_n) * (run_mean[e] - shift[e]);
       copy_to_shared_wait();
       for (int r = row_lane; r < nkept; r += rows_per_step) {
-        const VecT v = load_vec<scalar_t, V>(ks + r * C);
+        VecT v = load_vec<scalar_t, V>(ks + r * C);
+        if (has_add(ep)) {  // s kept in place of x: read back by this thread only
+          v = value(v);
+          *reinterpret_cast<VecT*>(ks + r * C) = v;
+        }
 #pragma unroll
         for (int e = 0; e < V; ++e) sum[e] += static_cast<A>(v.val[e]) - shift[e];
       }
@@ -130,8 +151,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     __syncthreads();
     reduce_groups(sh.red, rows_per_step, C, G, D, sh.local_mean);
     for (int g = tid; g < G; g += blockDim.x) {
-      sh.local_mean[g] =
-          rows > 0 ? static_cast<A>(first[g * D]) + sh.local_mean[g] / local_count : A(0);
+      sh.local_mean[g] = rows > 0 ? first_of(g * D) + sh.local_mean[g] / local_count : A(0);
     }
     __syncthreads();
 

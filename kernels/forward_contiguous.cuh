@@ -52,24 +52,44 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
   for (int64_t unit = team; unit < units; unit += teams, ++round) {
     const scalar_t* xs = x + unit * L + begin;
     const int64_t y_at = unit * L + begin;  // of the slice in y (and the residual)
+    // Kept vector i of the slice with the prologue: s = x + add of its
+    // channel, unit * D + the channel within the group (a vector never
+    // straddles two). Only kept vectors: the host gives a call with an add
+    // this kernel only when its whole slice is kept.
+    const auto value = [&](int64_t i, const VecT& v) {
+      if constexpr (kFused) {
+        if (ep.add != nullptr) {
+          const int64_t e = begin + i * V;  // the vector's first element in the unit
+          const int64_t ch = fast_div && e < (int64_t(1) << 31) ? int64_t(hxw_div.div(uint32_t(e)))
+                                                                 : e / HxW;
+          return pre_norm_vec<scalar_t, V>(v, unit * D + ch, ep);
+        }
+      }
+      return v;
+    };
 
     // Sweep 1: sum x - shift. The shift (the slice's first element) keeps
     // the float sum small for inputs far from zero, such as 1000 + randn.
     // Kept vectors go to shared memory by asynchronous copies, all issued
-    // before the first is summed; the rest are loaded and summed while those
-    // copies are in flight.
-    const A shift = count > 0 ? static_cast<A>(xs[0]) : A(0);
+    // before the first is summed (with the prologue, turned into s there);
+    // the rest are loaded and summed while those copies are in flight.
+    const A shift =
+        count > 0 ? static_cast<A>(pre_norm(xs[0], unit * D + begin / HxW, ep)) : A(0);
     A sum = 0;
-    const auto add = [&](int64_t, const VecT& v) {
+    const auto accumulate = [&](const VecT& v) {
 #pragma unroll
       for (int e = 0; e < V; ++e) sum += static_cast<A>(v.val[e]) - shift;
     };
     for (int i = tid; i < nkept; i += threads) {
       copy_to_shared_async(&on_chip[i], reinterpret_cast<const VecT*>(xs + i * V));
     }
-    load_each<kUnroll, scalar_t, V>(nkept + tid, nvec, threads, V, add, xs);
+    load_each<kUnroll, scalar_t, V>(
+        nkept + tid, nvec, threads, V, [&](int64_t, const VecT& v) { accumulate(v); }, xs);
     copy_to_shared_wait();
-    for (int i = tid; i < nkept; i += threads) add(i, on_chip[i]);
+    for (int i = tid; i < nkept; i += threads) {
+      if (has_add(ep)) on_chip[i] = value(i, on_chip[i]);  // s kept; read back by this thread only
+      accumulate(on_chip[i]);
+    }
     const A local_mean = count > 0 ? shift + block_sum(sum, sh.red) / A(count) : A(0);
 
     // Sweep 2: sum of squares about the slice mean (exact centring, so

@@ -34,12 +34,16 @@ __global__ void __launch_bounds__(kReferenceThreads) groupnorm_forward_reference
       const int64_t s = e % HxW;
       return n * stride_n + c * stride_c + s * stride_s;
     };
+    // element e of the unit: x, or with the prologue x + add
+    const auto value = [&](int64_t e) {
+      return pre_norm(x[at(e)], n * (int64_t(G) * D) + c0 + e / HxW, ep);
+    };
 
     // Summing x - x[0] keeps the float sum small for inputs far from zero.
-    const A shift = static_cast<A>(x[at(0)]);
+    const A shift = static_cast<A>(value(0));
     A sum = 0;
     for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
-      sum += static_cast<A>(x[at(e)]) - shift;
+      sum += static_cast<A>(value(e)) - shift;
     }
     red[threadIdx.x] = sum;
     __syncthreads();
@@ -49,7 +53,7 @@ __global__ void __launch_bounds__(kReferenceThreads) groupnorm_forward_reference
 
     A m2 = 0;
     for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
-      const A d = static_cast<A>(x[at(e)]) - mu;
+      const A d = static_cast<A>(value(e)) - mu;
       m2 += d * d;
     }
     red[threadIdx.x] = m2;
@@ -63,7 +67,7 @@ __global__ void __launch_bounds__(kReferenceThreads) groupnorm_forward_reference
 
     for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
       const ChannelAffine<A> f = channel_affine(n, c0 + e / HxW, rs, gamma, beta, ep);
-      A v[1] = {affine_value(x[at(e)], mu, f)};
+      A v[1] = {affine_value(value(e), mu, f)};
       store_output<scalar_t, 1>(y, at(e), v, ep);
     }
     __syncthreads();  // red and total are reused by the next unit

@@ -71,6 +71,7 @@ struct TypedForward {
         rstd(static_cast<A*>(a.rstd)),
         eps(A(a.eps)) {
     const EpilogueArgs& e = a.epilogue;
+    epilogue.add = static_cast<const scalar_t*>(e.add);
     epilogue.scale = static_cast<const scalar_t*>(e.scale);
     epilogue.shift = static_cast<const scalar_t*>(e.shift);
     epilogue.residual = static_cast<const scalar_t*>(e.residual);

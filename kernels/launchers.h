@@ -20,6 +20,7 @@ namespace groupnorm {
 // shift [N, C] of x's dtype or null, residual in y's layout and strides or
 // null, and the activation chain applied between them (none by default).
 struct EpilogueArgs {
+  const void* add = nullptr;  // [N, C]: the norm of x + add
   const void* scale = nullptr;
   const void* shift = nullptr;
   const void* residual = nullptr;
@@ -28,7 +29,8 @@ struct EpilogueArgs {
   int activations = 0;
   Activation chain[kMaxActivations] = {};
   bool any() const {
-    return scale != nullptr || shift != nullptr || residual != nullptr || activations > 0;
+    return add != nullptr || scale != nullptr || shift != nullptr || residual != nullptr ||
+           activations > 0;
   }
 };
 

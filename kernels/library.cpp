@@ -32,7 +32,8 @@ using BackwardOp = Outputs(const at::Tensor&, const at::Tensor&, const at::Tenso
 using ForwardFusedOp = Outputs(const at::Tensor&, const c10::optional<at::Tensor>&,
                                const c10::optional<at::Tensor>&, int64_t, double,
                                const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
-                               const c10::optional<at::Tensor>&, c10::IntArrayRef, double);
+                               const c10::optional<at::Tensor>&, c10::IntArrayRef, double,
+                               const c10::optional<at::Tensor>&);
 
 struct Operators {
   c10::TypedOperatorHandle<ForwardOp> forward;
@@ -63,9 +64,9 @@ Outputs forward_fused_cuda(const at::Tensor& x, const c10::optional<at::Tensor>&
                            const c10::optional<at::Tensor>& scale,
                            const c10::optional<at::Tensor>& shift,
                            const c10::optional<at::Tensor>& residual, c10::IntArrayRef activations,
-                           double slope) {
+                           double slope, const c10::optional<at::Tensor>& add) {
   return as_tuple(::forward_fused(x, weight, bias, groups, eps, "auto", 0, 0, scale, shift,
-                                  residual, activations.vec(), slope));
+                                  residual, activations.vec(), slope, add));
 }
 
 const char* const kNoDoubleBackward =
@@ -204,13 +205,15 @@ c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
 bool defined(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
 // The fused forward's autograd. Saves what the plain GroupNorm saves (x,
-// weight, mean, rstd) and the small tensors (bias, scale, shift); no
+// weight, mean, rstd) and the small tensors (bias, scale, shift, add); no
 // full-size activation. The backward recomputes the pre-activation value by
 // the fused forward without activations (one pass over x), runs the chain
 // back by ATen's formulas, takes scale's and shift's gradients as sums over
 // the spatial dims, and hands (1 + scale) times the result to the plain
 // backward operator for dx, dweight and dbias; the residual's gradient is
-// dy. Everything goes through the dispatcher, so torch.compile traces it.
+// dy. With the prologue (add, [N, C]) it first forms s = x + add again (a
+// pass over x) and works on s; add's gradient is dx summed over the spatial
+// dims. Everything goes through the dispatcher, so torch.compile traces it.
 class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFunction> {
  public:
   static torch::autograd::variable_list forward(
@@ -218,15 +221,15 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
       const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
       int64_t groups, double eps, const c10::optional<at::Tensor>& scale,
       const c10::optional<at::Tensor>& shift, const c10::optional<at::Tensor>& residual,
-      c10::IntArrayRef activations, double slope) {
+      c10::IntArrayRef activations, double slope, const c10::optional<at::Tensor>& add) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     auto [y, mean, rstd] = operators->forward_fused.call(x, weight, bias, groups, eps, scale, shift,
-                                                         residual, activations, slope);
+                                                         residual, activations, slope, add);
     const auto tensor = [](const c10::optional<at::Tensor>& t) {
       return defined(t) ? *t : at::Tensor();
     };
-    ctx->save_for_backward(
-        {x, tensor(weight), tensor(bias), tensor(scale), tensor(shift), mean, rstd});
+    ctx->save_for_backward({x, tensor(weight), tensor(bias), tensor(scale), tensor(shift), mean,
+                            rstd, tensor(add)});
     ctx->mark_non_differentiable({mean, rstd});
     ctx->saved_data["groups"] = groups;
     ctx->saved_data["eps"] = eps;
@@ -236,7 +239,7 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
     int64_t edge = 1;
     for (const auto& [name, t] :
          {std::pair{"weight", &weight}, std::pair{"bias", &bias}, std::pair{"scale", &scale},
-          std::pair{"shift", &shift}, std::pair{"residual", &residual}}) {
+          std::pair{"shift", &shift}, std::pair{"residual", &residual}, std::pair{"add", &add}}) {
       ctx->saved_data[name] = defined(*t) ? edge++ : int64_t(-1);
     }
     return {y, mean, rstd};
@@ -245,8 +248,8 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &bias = saved[2], &scale = saved[3],
-                     &shift = saved[4], &mean = saved[5], &rstd = saved[6];
+    const at::Tensor &input = saved[0], &weight = saved[1], &bias = saved[2], &scale = saved[3],
+                     &shift = saved[4], &mean = saved[5], &rstd = saved[6], &add = saved[7];
     const auto needs = [&](const char* name) {
       const int64_t index = ctx->saved_data[name].toInt();
       return index >= 0 && ctx->needs_input_grad(size_t(index));
@@ -258,10 +261,10 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
     const bool grad_mode = at::GradMode::is_enabled();  // create_graph
     const bool need_dx = ctx->needs_input_grad(0);
     const bool need_weight = needs("weight"), need_bias = needs("bias");
-    const bool need_scale = needs("scale"), need_shift = needs("shift");
+    const bool need_scale = needs("scale"), need_shift = needs("shift"), need_add = needs("add");
     const at::Tensor& dy = grads[0];
-    at::Tensor dx, dweight, dbias, dscale, dshift;
-    if (need_dx || need_weight || need_bias || need_scale || need_shift) {
+    at::Tensor dx, dweight, dbias, dscale, dshift, dadd;
+    if (need_dx || need_weight || need_bias || need_scale || need_shift || need_add) {
       at::NoGradGuard no_grad;
       // scale and shift as [N, C, 1, ...]: unsqueezed, not reshaped to
       // sizes, which torch.compile would fix as constants
@@ -269,13 +272,15 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
         while (t.dim() < dims) t = t.unsqueeze(-1);
         return t;
       };
-      const auto per_channel = [&](const at::Tensor& t) { return unsqueezed(t, x.dim()); };
+      const auto per_channel = [&](const at::Tensor& t) { return unsqueezed(t, input.dim()); };
       std::vector<int64_t> spatial;  // the dims scale and shift broadcast over
-      for (int64_t d = 2; d < x.dim(); ++d) spatial.push_back(d);
+      for (int64_t d = 2; d < input.dim(); ++d) spatial.push_back(d);
       // sums over them (none: an (N, C) input, where sum() would take every dim)
       const auto per_sample_channel = [&](const at::Tensor& t) {
         return spatial.empty() ? t : t.sum(spatial);
       };
+      // what the forward normalised: the input, or input + add
+      const at::Tensor x = add.defined() ? input + per_channel(add) : input;
       // GroupNorm's affine output, for scale's gradient; the value before
       // the activations then follows from it without another pass over x
       at::Tensor affine;
@@ -293,7 +298,7 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
         } else {
           value = std::get<0>(operators->forward_fused.call(
               x, optional_of(weight), optional_of(bias), groups, eps, optional_of(scale),
-              optional_of(shift), c10::nullopt, {}, slope));
+              optional_of(shift), c10::nullopt, {}, slope, c10::nullopt));
         }
         std::vector<at::Tensor> values{value};
         for (int64_t code : chain) {
@@ -304,14 +309,16 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
           values.pop_back();  // each value dies once its step is taken back
         }
       }
-      // in the shape scale and shift came in: [N, C], or [N, C, 1, ...] from a graph
+      // in the shape scale, shift and add came in: [N, C], or [N, C, 1, ...] from a graph
       if (need_shift) dshift = unsqueezed(per_sample_channel(g), shift.dim());
       if (need_scale) dscale = unsqueezed(per_sample_channel(g * affine), scale.dim());
-      if (need_dx || need_weight || need_bias) {
+      if (need_dx || need_weight || need_bias || need_add) {
         if (scale.defined()) g = g * (per_channel(scale) + 1);
-        std::tie(dx, dweight, dbias) = operators->backward.call(
-            g, x, mean, rstd, optional_of(weight), groups, need_dx, need_weight || need_bias);
+        std::tie(dx, dweight, dbias) =
+            operators->backward.call(g, x, mean, rstd, optional_of(weight), groups,
+                                     need_dx || need_add, need_weight || need_bias);
       }
+      if (need_add) dadd = unsqueezed(per_sample_channel(dx), add.dim());
     }
     torch::autograd::variable_list out{need_dx ? dx : at::Tensor(),
                                        need_weight ? dweight : at::Tensor(),
@@ -322,7 +329,8 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
                                        dshift,
                                        needs("residual") ? dy : at::Tensor(),
                                        at::Tensor() /* activations */,
-                                       at::Tensor() /* slope */};
+                                       at::Tensor() /* slope */,
+                                       dadd};
     if (!grad_mode) return out;
     // create_graph: gradients of these gradients are refused when asked for
     for (at::Tensor& t : out) {
@@ -339,9 +347,10 @@ Outputs forward_fused_autograd(const at::Tensor& x, const c10::optional<at::Tens
                                const c10::optional<at::Tensor>& scale,
                                const c10::optional<at::Tensor>& shift,
                                const c10::optional<at::Tensor>& residual,
-                               c10::IntArrayRef activations, double slope) {
+                               c10::IntArrayRef activations, double slope,
+                               const c10::optional<at::Tensor>& add) {
   return as_tuple(FusedGroupNormFunction::apply(x, weight, bias, groups, eps, scale, shift,
-                                                residual, activations, slope));
+                                                residual, activations, slope, add));
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 // PyTorch's caching allocator.
 #include "ops.h"
 
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
@@ -97,7 +98,7 @@ Checked check_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& gamma
 // The epilogue's tensors as the kernels read them, kept alive until the
 // launches are enqueued, and their pointers.
 struct CheckedEpilogue {
-  at::Tensor scale, shift, residual;  // undefined when absent
+  at::Tensor add, scale, shift, residual;  // undefined when absent
   EpilogueArgs args;
 };
 
@@ -151,7 +152,8 @@ CheckedEpilogue check_epilogue(const at::Tensor& x, const at::Tensor& y,
                                const c10::optional<at::Tensor>& scale,
                                const c10::optional<at::Tensor>& shift,
                                const c10::optional<at::Tensor>& residual,
-                               const std::vector<int64_t>& activations, double slope) {
+                               const std::vector<int64_t>& activations, double slope,
+                               const c10::optional<at::Tensor>& add) {
   TORCH_CHECK_VALUE(activations.size() <= size_t(kMaxActivations),
                     message("groupnorm: at most ", kMaxActivations, " activations in a chain, got ",
                             activations.size()));
@@ -167,13 +169,14 @@ CheckedEpilogue check_epilogue(const at::Tensor& x, const at::Tensor& y,
   }
   e.args.activations = int(activations.size());
   e.args.slope = slope;
+  e.add = check_modulation(add, "add", x);
   e.scale = check_modulation(scale, "scale", x);
   e.shift = check_modulation(shift, "shift", x);
   e.residual = check_residual(residual, x, y);
   e.args.C = x.size(1);
   for (auto [tensor, pointer] :
-       {std::pair{&e.scale, &e.args.scale}, std::pair{&e.shift, &e.args.shift},
-        std::pair{&e.residual, &e.args.residual}}) {
+       {std::pair{&e.add, &e.args.add}, std::pair{&e.scale, &e.args.scale},
+        std::pair{&e.shift, &e.args.shift}, std::pair{&e.residual, &e.args.residual}}) {
     if (tensor->defined() && tensor->numel() > 0) *pointer = tensor->data_ptr();
   }
   return e;
@@ -220,7 +223,7 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Ten
                                 const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
                                 const std::string& kernel, int64_t team, int64_t lag) {
   return forward_fused(x, weight, bias, groups, eps, kernel, team, lag, c10::nullopt, c10::nullopt,
-                       c10::nullopt, {}, 0.01);
+                       c10::nullopt, {}, 0.01, c10::nullopt);
 }
 
 std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
@@ -229,19 +232,34 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
                                       int64_t lag, const c10::optional<at::Tensor>& scale,
                                       const c10::optional<at::Tensor>& shift,
                                       const c10::optional<at::Tensor>& residual,
-                                      const std::vector<int64_t>& activations, double slope) {
+                                      const std::vector<int64_t>& activations, double slope,
+                                      const c10::optional<at::Tensor>& add) {
   Checked c = check_inputs(x, weight, bias, groups, eps);
   const c10::cuda::CUDAGuard guard(x.device());
   // c.x is dense (contiguous or channels-last-like), so y gets its exact strides.
   at::Tensor y = at::empty_like(c.x);
   at::Tensor mean = at::empty({c.problem.N, groups}, x.options().dtype(acc_dtype(x)));
   at::Tensor rstd = at::empty({c.problem.N, groups}, x.options().dtype(acc_dtype(x)));
-  const CheckedEpilogue epilogue = check_epilogue(x, y, scale, shift, residual, activations, slope);
+  const CheckedEpilogue epilogue =
+      check_epilogue(x, y, scale, shift, residual, activations, slope, add);
   if (x.numel() == 0) return {y, mean, rstd};
   // The residual is read in the vectors y is written in: they must suit its address too.
   c.problem.addr |= reinterpret_cast<uintptr_t>(epilogue.args.residual);
   c.problem.epilogue = epilogue.args.any();
   const ForwardPlan plan = choose_forward(c.problem, Request{kernel, team, lag});
+  const bool team_kernel =
+      plan.kernel == ForwardKernel::Contiguous || plan.kernel == ForwardKernel::ChannelsLast;
+  if (epilogue.add.defined() && plan.kernel != ForwardKernel::Reference &&
+      !(team_kernel && plan.team.kept >= plan.team.slice)) {
+    // The prologue is in the reference kernel and in team kernels that keep
+    // their whole slice on chip (where it turns the kept x into s once);
+    // other plans get s by a separate add (a pass more).
+    std::vector<int64_t> per_channel{c.problem.N, x.size(1)};
+    per_channel.resize(size_t(x.dim()), 1);
+    return forward_fused(at::add(c.x, epilogue.add.view(per_channel)), weight, bias, groups, eps,
+                         kernel, team, lag, scale, shift, residual, activations, slope,
+                         c10::nullopt);
+  }
   const cudaStream_t stream = current_stream(x);
   TensorWorkspace workspace(y, stream);
   const ForwardArgs args{c.x.data_ptr(),

@@ -17,7 +17,9 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Ten
                                 const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
                                 const std::string& kernel, int64_t team, int64_t lag);
 
-// forward() with the epilogue of issue 24: y = GN(x) * weight + bias, then
+// forward() with the prologue and epilogue of issue 24: s = x + add (add: [N,
+// C] of x's dtype and device, or absent; a separate add first where the
+// planner streams the groups), y = GN(s) * weight + bias, then
 // y * (1 + scale) + shift (scale, shift: [N, C] of x's dtype and device, or
 // absent), then the activations in order (Activation codes, activation.h; at
 // most kMaxActivations; slope: LeakyReLU's), then y + residual (x's shape,
@@ -30,7 +32,8 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
                                       int64_t lag, const c10::optional<at::Tensor>& scale,
                                       const c10::optional<at::Tensor>& shift,
                                       const c10::optional<at::Tensor>& residual,
-                                      const std::vector<int64_t>& activations, double slope);
+                                      const std::vector<int64_t>& activations, double slope,
+                                      const c10::optional<at::Tensor>& add);
 
 // Registers forward(), backward() and forward_fused() as the CUDA and
 // autograd kernels of the operators <ns>::forward, ::backward and
