@@ -1810,10 +1810,32 @@ def _add_step(node, value, per_channel):
     return step if step is not None and _epilogue_operand(step[1], value, per_channel) else None
 
 
+def _prologue_step(node, value):
+    """(the add, x, add) when the GroupNorm call's input is x + add of one
+    value per (sample, channel) (diffusers' ResNet block: h + temb[:, :,
+    None, None]), computed for that call alone."""
+    import operator
+
+    total = node.args[0]
+    if not isinstance(total, torch.fx.Node) or len(total.users) != 1:
+        return None
+    operands = _operands(total, (operator.add, torch.add), "add")
+    for x, add in (operands, operands[::-1]) if operands else ():
+        x_value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
+        if (isinstance(x_value, torch.Tensor) and _fixed_size(tuple(x_value.shape), tuple(value.shape))
+                and x_value.dtype == value.dtype and isinstance(add, torch.fx.Node)
+                and _epilogue_operand(add, value, per_channel=True)):
+            return total, x, add
+    return None
+
+
 def _fuse_epilogues(graph):
     """In a pre-grad FX graph, folds what follows each <ns>::forward call
-    into one <ns>::forward_fused call, in the epilogue's order, each step
-    the previous value's only user and each optional: `* (1 + scale)` and
+    into one <ns>::forward_fused call, and the add that makes its input:
+    `x + add` before it, the add one value per (sample, channel) and the
+    sum used by nothing else (the kernels' prologue); then, in the
+    epilogue's order, each step the previous value's only user and each
+    optional: `* (1 + scale)` and
     `+ shift` with (N, C, 1, ...) tensors (diffusers' scale-shift ResNet
     blocks, AdaGroupNorm), up to _MAX_ACTIVATIONS activations (one
     leaky_relu slope a chain), `+ residual` of the output's shape. One pass
@@ -1859,18 +1881,23 @@ def _fuse_epilogues(graph):
         if step is not None:
             last, residual = step
             steps.append(last)
-        if not steps:
+        prologue = _prologue_step(node, value)
+        if not steps and prologue is None:
             continue
+        x, add = (node.args[0], None) if prologue is None else prologue[1:]
         codes = [_ACTIVATION_CODES[name] for name in chain]
         with graph.inserting_before(last):  # after every operand of the steps
+            arguments = (x, *node.args[1:], scale, shift, residual, codes,
+                         _LEAKY_SLOPE if slope is None else slope)
             outputs = graph.call_function(_OPS.forward_fused.default,
-                                          (*node.args, scale, shift, residual, codes,
-                                           _LEAKY_SLOPE if slope is None else slope))
+                                          arguments if add is None else (*arguments, add))
             y = graph.call_function(operator.getitem, (outputs, 0))
         y.meta.update(last.meta)
         last.replace_all_uses_with(y)
         for dead in [*reversed(steps), users[0], node]:
             graph.erase_node(dead)
+        if prologue is not None:  # x + add, used by the GroupNorm alone
+            graph.erase_node(prologue[0])
         if factor is not None and not factor.users:  # 1 + scale, unless used elsewhere
             graph.erase_node(factor)
         fused += 1
@@ -1885,9 +1912,10 @@ def enable_compile_fusion():
     from now on (the default backend) run torch's own nn.GroupNorm and
     F.group_norm on CUDA tensors as this module's operator, forward and
     backward, without changing the model. (Our GroupNorm and group_norm
-    reach the operator anyway.) In graphs without gradients (inference), the
-    scale-shift, activations and residual add right after a GroupNorm run
-    inside its kernel (_fuse_epilogues). A CustomGraphPass with a uuid(), so Inductor's FX
+    reach the operator anyway.) In graphs without gradients (inference), an
+    (N, C) add right before a GroupNorm and the scale-shift, activations and
+    residual add right after it run inside its kernel (_fuse_epilogues). A
+    CustomGraphPass with a uuid(), so Inductor's FX
     graph cache keeps working. Returns nothing; see disable_compile_fusion."""
     global _compile_pass
     from torch._inductor import config
@@ -1937,7 +1965,7 @@ def _group_norm_pass_class():
             code = b"".join(marshal.dumps(f.__code__) for f in
                             (_rewrite_group_norms, _graph_activation, _fuse_epilogues, _operands,
                              _other_operand, _fixed_size, _epilogue_operand, _only_user_with,
-                             _scale_step, _add_step))
+                             _scale_step, _add_step, _prologue_step))
             table = str([(f.__name__, entry) for f, entry in _GRAPH_ACTIVATIONS.items()])
             key = code + table.encode() + _NAMESPACE.encode() + __version__.encode()
             return hashlib.sha256(key).hexdigest()

@@ -3513,16 +3513,27 @@ def _epilogue_graph_case(case):
         scale, shift = torch.chunk(temb[:, :, None, None], 2, dim=1)
         return F.silu(F.group_norm(t, 2, w, b) * (1 + scale) + shift) + r
 
+    def sum_twice(t, temb, r):
+        total = t + temb[:, :8, None, None]
+        return F.relu(F.group_norm(total, 2)) + total
+
     def factor_twice(t, temb, r):
         factor = temb[:, :8, None, None] + 1
         return F.group_norm(t, 2, w, b) * factor + factor
 
     t, temb, r = torch.randn(2, 8, 5, 3), torch.randn(2, 16), torch.randn(2, 8, 5, 3)
     cases = {
-        "scale, shift, silu, residual": (scale_shift, (t, temb, r), (True, True, True), silu),
+        "scale, shift, silu, residual": (scale_shift, (t, temb, r), (True, True, True, False), silu),
         "shift alone": (lambda t, temb, r: F.group_norm(t, 2) + temb[:, 8:, None, None],
-                        (t, temb, r), (False, True, False), []),
-        "factor used twice": (factor_twice, (t, temb, r), (True, True, False), []),
+                        (t, temb, r), (False, True, False, False), []),
+        "factor used twice": (factor_twice, (t, temb, r), (True, True, False, False), []),
+        # diffusers' ResNet block: h + temb[:, :, None, None] before the norm
+        "time embedding added before": (
+            lambda t, temb, r: F.silu(F.group_norm(t + temb[:, :8, None, None], 2, w, b)),
+            (t, temb, r), (False, False, False, True), silu),
+        # the sum is kept: no prologue, and it comes back as the residual
+        "sum used twice": (sum_twice, (t, temb, r), (False, False, True, False),
+                           [gn._ACTIVATION_CODES["relu"]]),
         "per channel, not per sample": (
             lambda t, temb, r: F.silu(F.group_norm(t, 2) * (1 + temb[:1, :8, None, None])),
             (t, temb, r), None, None),
@@ -3530,18 +3541,20 @@ def _epilogue_graph_case(case):
             lambda t, temb, r: F.group_norm(t, 2) * (1 + temb.double()[:, :8, None, None]),
             (t, temb, r), None, None),
         "residual that broadcasts": (lambda t, temb, r: F.relu(F.group_norm(t, 2)) + r[:1],
-                                     (t, temb, r), (False, False, False),
+                                     (t, temb, r), (False, False, False, False),
                                      [gn._ACTIVATION_CODES["relu"]]),
     }
     return cases[case]
 
 
 @pytest.mark.parametrize("case", ["scale, shift, silu, residual", "shift alone", "factor used twice",
+                                  "time embedding added before", "sum used twice",
                                   "per channel, not per sample", "scale of another dtype",
                                   "residual that broadcasts"])
 def test_compile_pass_fuses_scale_shift_and_residual(operators_on_the_cpu, case):
-    # the epilogue's tensors folded into the fused call where they are
-    # exactly (N, C, 1, ...) or the output's shape, in its dtype; the
+    # the epilogue's tensors, and an add before the norm, folded into the
+    # fused call where they are exactly (N, C, 1, ...) or the output's
+    # shape, in its dtype; the
     # compiled function (CPU kernels registered for the operators) equals
     # the eager one
     fn, inputs, operands, codes = _epilogue_graph_case(case)
@@ -3563,7 +3576,8 @@ def test_compile_pass_fuses_scale_shift_and_residual(operators_on_the_cpu, case)
         assert not calls
         return
     (call,) = calls
-    assert tuple(a is not None for a in call.args[5:8]) == operands
+    add = call.args[10] if len(call.args) > 10 else None
+    assert tuple(a is not None for a in (*call.args[5:8], add)) == operands
     assert call.args[8] == codes
 
 
