@@ -3921,6 +3921,24 @@ def epilogue_leaves(x, w, b, args):
     return leaves, {**args, **{k: leaves[k] for k in args if isinstance(args[k], torch.Tensor)}}
 
 
+def off_kinks(dy, x, weight, bias, args, groups=8):
+    """dy, zero where the float64 pre-activation lies within two of x's ulps
+    of a jump in the activation chain's slope (hardswish at +-3, relu at 0):
+    there the dtype's rounding picks the side, for torch's sequence as for
+    ours, and one element's jump would swamp the comparison."""
+    if args.get("activation") is None:
+        return dy
+    small = {k: args[k].double() for k in ("scale", "shift") if k in args}
+    z = apply_epilogue(F.group_norm(x.double(), groups, weight.double(), bias.double()), **small)
+    delta = 2 * torch.finfo(x.dtype).eps * (z.abs() + 1)
+
+    def slope(at):
+        at = at.detach().requires_grad_()
+        return torch.autograd.grad(apply_epilogue(at, activation=args["activation"]).sum(), at)[0]
+
+    return dy.masked_fill((slope(z + delta) - slope(z - delta)).abs() > 0.1, 0)
+
+
 @cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -3931,7 +3949,7 @@ def test_gpu_epilogue_gradients_match_float64(name, options, dtype, layout):
     x = make_input((2, 32, 9, 7), dtype, layout, "cuda", shift=1.0)
     w, b = affine(32, dtype, "cuda", "both")
     args = epilogue_tensors(x, options)
-    dy = torch.randn_like(x)
+    dy = off_kinks(torch.randn_like(x), x, w, b, args)
 
     def gradients(fn, cast):
         leaves, call_args = epilogue_leaves(cast(x), cast(w), cast(b), {
