@@ -3921,16 +3921,22 @@ def epilogue_leaves(x, w, b, args):
     return leaves, {**args, **{k: leaves[k] for k in args if isinstance(args[k], torch.Tensor)}}
 
 
-def off_kinks(dy, x, weight, bias, args, groups=8):
-    """dy, zero where the float64 pre-activation lies within two of x's ulps
-    of a jump in the activation chain's slope (hardswish at +-3, relu at 0):
-    there the dtype's rounding picks the side, for torch's sequence as for
-    ours, and one element's jump would swamp the comparison."""
+def off_kinks(dy, x, weight, bias, args, groups=8, eps=1e-5):
+    """dy, zero where the pre-activation lies so near a jump in the slope of
+    the activation chain (hardswish at +-3, relu at 0) that rounding in x's
+    dtype may pick the side: within four times torch's own rounding of it
+    there plus two ulps. One element's jump would swamp the comparison."""
     if args.get("activation") is None:
         return dy
-    small = {k: args[k].double() for k in ("scale", "shift") if k in args}
-    z = apply_epilogue(F.group_norm(x.double(), groups, weight.double(), bias.double()), **small)
-    delta = 2 * torch.finfo(x.dtype).eps * (z.abs() + 1)
+
+    def pre_activation(cast):
+        small = {k: cast(args[k]) for k in ("scale", "shift") if k in args}
+        weight_, bias_ = (None if t is None else cast(t) for t in (weight, bias))
+        return apply_epilogue(unfused_group_norm(cast(x), groups, weight_, bias_, eps),
+                              **small).double()
+
+    z = pre_activation(torch.Tensor.double)
+    delta = 4 * (pre_activation(lambda t: t) - z).abs() + 2 * torch.finfo(x.dtype).eps * z.abs()
 
     def slope(at):
         at = at.detach().requires_grad_()
