@@ -1177,7 +1177,7 @@ def test_cpu_scale_and_shift_shapes():
         torch.testing.assert_close(gn.group_norm(x, 3, scale=s, shift=t),
                                    unfused(x, 3, None, None, scale=s, shift=t), rtol=0, atol=0)
     for shape in ((6,), (2, 6, 4, 5), (2, 6, 1, 1, 1), (3, 6), (2, 5), (2, 6, 2, 1), (2, 6, 4, 1)):
-        with pytest.raises(ValueError, match=re.escape(f"scale must have shape (N, C) = (2, 6)") +
+        with pytest.raises(ValueError, match=re.escape("scale must have shape (N, C) = (2, 6)") +
                            r".*" + re.escape(f"got {list(shape)}")):
             gn.group_norm(x, 3, scale=torch.randn(shape))
     with pytest.raises(ValueError, match=re.escape("shift must have shape (N, C) = (2, 6), or one "
@@ -4057,3 +4057,136 @@ def test_gpu_epilogue_takes_the_cuda_path_and_module_and_autocast(monkeypatch):
         assert y.dtype == torch.float32
         torch.testing.assert_close(y, gn.groupnorm_cuda(x.float(), None, None, 8, scale=s.float(),
                                                         activation="silu"), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------
+# GPU: kernel instantiations that no other test launches
+# ---------------------------------------------------------------------------
+
+BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
+
+# Each row launches, for each of its dtypes T, the kernel instantiations its
+# comment names, which the rest of the GPU tests never reach (what
+# tools/kernel_coverage.py reports). Template arguments: stream kernels
+# <T, V, kEachMerges, kFused>, team kernels <T, V, kFused>, the reference
+# kernel <T, kFused>, the registers kernel <T, V, items a thread>, the
+# backward's <T, V>; * is both values: a forward row runs plain and with every
+# epilogue option at once (the registers kernel takes none). V is the widest
+# vector of at most 16 bytes that divides HxW (contiguous), C / G (the
+# channels-last stream kernels) or C (the channels-last passes and team
+# kernel, whose vectors are 8 bytes unless a row of them would need more than
+# its 512 threads). The contiguous stream merges by the lag: at 1 every
+# normalise item merges its unit's partials; at 10**9 over 1024 pieces, one
+# merge a unit wherever at most 1362 CTAs are resident (8 of 256 threads a
+# SM, the most there can be, on up to 170 SMs).
+# The channels-last stream merges by the shape: each item, while a unit's
+# piece partials are few next to a piece's bytes. The plan fields a row
+# lists must hold, so that a row that stops reaching its instantiation fails.
+UNLAUNCHED_ELSEWHERE = [  # (direction, shape, groups, dtypes, layout, kernel, lag or team, plan fields)
+    # groupnorm_stream_kernel<T, 1, false, *>: odd HxW, 512 units of 2 pieces
+    ("forward", (8, 128, 45, 23), 64, (BF16, F16, F32, F64), "contiguous", "stream", 10**9, dict(vec=1, merge="once")),
+    # groupnorm_stream_kernel<T, 2, false, *>: HxW = 2 mod 4
+    ("forward", (8, 256, 22, 47), 64, (BF16, F16, F32), "contiguous", "stream", 10**9, dict(vec=2, merge="once")),
+    # groupnorm_stream_kernel<Half, 4, false, *>: HxW = 4 mod 8
+    ("forward", (8, 512, 28, 37), 64, (F16,), "contiguous", "stream", 10**9, dict(vec=4, merge="once")),
+    # groupnorm_stream_kernel<T, 8, false, *>: HxW = 0 mod 8
+    ("forward", (8, 1024, 26, 40), 64, (BF16, F16), "contiguous", "stream", 10**9, dict(vec=8, merge="once")),
+    # groupnorm_stream_kernel<BFloat16, 1, true, true>
+    ("forward", (2, 8, 45, 45), 2, (BF16,), "contiguous", "stream", 1, dict(vec=1, merge="each")),
+    # groupnorm_stream_kernel<T, 2, true, *>
+    ("forward", (2, 8, 30, 45), 2, (BF16, F16, F64), "contiguous", "stream", 1, dict(vec=2, merge="each")),
+    # groupnorm_stream_kernel<Half, 4, true, *>
+    ("forward", (2, 8, 36, 57), 2, (F16,), "contiguous", "stream", 1, dict(vec=4, merge="each")),
+    # groupnorm_stream_kernel<Half, 8, true, true>
+    ("forward", (2, 16, 48, 56), 2, (F16,), "contiguous", "stream", 1, dict(vec=8, merge="each")),
+    # groupnorm_stream_channels_last_kernel<T, 1, true, *>: C / G odd
+    ("forward", (2, 15, 30, 30), 5, (BF16, F16), "channels_last", "stream", 0, dict(vec=1, merge="each")),
+    # groupnorm_stream_channels_last_kernel<T, 1, false, *>: 31 pieces, too many partials for each
+    ("forward", (2, 15, 64, 64), 5, (BF16, F64), "channels_last", "stream", 0, dict(vec=1, merge="once")),
+    # groupnorm_stream_channels_last_kernel<T, 2, true, *>: C / G = 2
+    ("forward", (2, 12, 40, 40), 6, (BF16, F16, F32), "channels_last", "stream", 0, dict(vec=2, merge="each")),
+    # groupnorm_stream_channels_last_kernel<Half, 2, false, *>
+    ("forward", (2, 12, 100, 100), 6, (F16,), "channels_last", "stream", 0, dict(vec=2, merge="once")),
+    # groupnorm_stream_channels_last_kernel<double, 2, false, *>: 31 groups, one unit a sample
+    ("forward", (2, 62, 30, 30), 31, (F64,), "channels_last", "stream", 0, dict(vec=2, merge="once")),
+    # groupnorm_stream_channels_last_kernel<T, 4, true, *>: C / G = 4
+    ("forward", (2, 16, 40, 40), 4, (BF16, F16), "channels_last", "stream", 0, dict(vec=4, merge="each")),
+    # groupnorm_stream_channels_last_kernel<T, 4, false, *>: 2 blocks of 16 groups a sample
+    ("forward", (2, 128, 60, 60), 32, (BF16, F16), "channels_last", "stream", 0,
+     dict(vec=4, merge="once", blocks=2)),
+    # groupnorm_stream_channels_last_kernel<float, 4, false, true>
+    ("forward", (2, 124, 40, 40), 31, (F32,), "channels_last", "stream", 0, dict(vec=4, merge="once")),
+    # groupnorm_stream_channels_last_kernel<T, 8, false, *>
+    ("forward", (2, 248, 40, 40), 31, (BF16, F16), "channels_last", "stream", 0, dict(vec=8, merge="once")),
+    # groupnorm_forward_contiguous_kernel<T, 2, *>: HxW = 2 mod 4
+    ("forward", (2, 12, 10, 15), 3, (BF16, F16, F32), "contiguous", "contiguous", 0, dict(vec=2)),
+    # groupnorm_forward_contiguous_kernel<T, 4, *>: HxW = 4 mod 8
+    ("forward", (2, 12, 9, 12), 3, (BF16, F16), "contiguous", "contiguous", 0, dict(vec=4)),
+    # groupnorm_forward_channels_last_kernel<BFloat16, 1, *>: odd C
+    ("forward", (2, 21, 17, 19), 3, (BF16,), "channels_last", "channels_last", 0, dict(vec=1)),
+    # groupnorm_forward_channels_last_kernel<T, 2, false>: C = 2 mod 4
+    ("forward", (2, 30, 9, 11), 3, (BF16, F16), "channels_last", "channels_last", 0, dict(vec=2)),
+    # groupnorm_forward_channels_last_kernel<T, 8, *>: rows of 335 16-byte vectors (670 of 8
+    # bytes would need more threads); 67 groups (prime) of 80 bytes: no blocks, a unit a sample
+    ("forward", (2, 2680, 5, 3), 67, (BF16, F16), "channels_last", "channels_last", 0, dict(vec=8, blocks=1)),
+    # groupnorm_forward_channels_last_kernel<float, 4, *>
+    ("forward", (2, 1340, 5, 3), 67, (F32,), "channels_last", "channels_last", 0, dict(vec=4, blocks=1)),
+    # groupnorm_forward_channels_last_kernel<double, 2, *>
+    ("forward", (2, 670, 5, 3), 67, (F64,), "channels_last", "channels_last", 0, dict(vec=2, blocks=1)),
+    # groupnorm_forward_reference_kernel<double, true>
+    ("forward", (2, 6, 5, 7), 3, (F64,), "contiguous", "reference", 0, dict()),
+    # groupnorm_forward_registers_kernel<Half, 4, 16>: 4104 vectors in 512 threads
+    ("forward", (2, 16, 36, 57), 2, (F16,), "contiguous", "registers", 0, dict(vec=4, items=16, ranks=1)),
+    # groupnorm_backward_{sums,dx}_channels_last_kernel<T, 1>: odd C
+    ("backward", (2, 15, 9, 11), 5, (BF16, F64), "channels_last", "passes", 0, dict(vec=1)),
+    # groupnorm_backward_{sums,dx}_contiguous_kernel<Half, 2>: HxW = 2 mod 4
+    ("backward", (2, 12, 10, 15), 3, (F16,), "contiguous", "passes", 0, dict(vec=2)),
+    # groupnorm_backward_stream_channels_last_kernel<T, 1>: C / G odd
+    ("backward", (2, 15, 9, 11), 5, (BF16, F64), "channels_last", "stream", 0, dict(vec=1)),
+    # groupnorm_backward_stream_channels_last_kernel<T, 2>: C / G = 2
+    ("backward", (2, 12, 20, 20), 6, (BF16, F16, F32), "channels_last", "stream", 0, dict(vec=2)),
+    # groupnorm_backward_stream_channels_last_kernel<T, 4>: C / G = 4
+    ("backward", (2, 32, 20, 20), 8, (BF16, F16), "channels_last", "stream", 0, dict(vec=4)),
+    # groupnorm_backward_stream_kernel<Half, 1>: odd HxW
+    ("backward", (2, 8, 33, 35), 2, (F16,), "contiguous", "stream", 0, dict(vec=1)),
+    # groupnorm_backward_stream_kernel<T, 2>: HxW = 2 mod 4
+    ("backward", (2, 8, 30, 45), 2, (BF16, F16), "contiguous", "stream", 0, dict(vec=2)),
+    # groupnorm_backward_stream_kernel<Half, 4>: HxW = 4 mod 8
+    ("backward", (2, 8, 36, 57), 2, (F16,), "contiguous", "stream", 0, dict(vec=4)),
+]
+UNLAUNCHED_ELSEWHERE_CASES = [(direction, shape, groups, dtype, layout, kernel, n, fields)
+                              for direction, shape, groups, dtypes, layout, kernel, n, fields
+                              in UNLAUNCHED_ELSEWHERE for dtype in dtypes]
+
+
+def unlaunched_elsewhere_id(case):
+    direction, shape, groups, dtype, layout, kernel, n, _ = case
+    return f"{direction}-{shape_id((shape, groups))}-{str(dtype)[6:]}-{layout}-{kernel}" + \
+        (f"-L{n}" if n else "")
+
+
+@cuda
+@pytest.mark.parametrize("case", UNLAUNCHED_ELSEWHERE_CASES, ids=unlaunched_elsewhere_id)
+def test_gpu_instantiations_no_other_test_launches(case):
+    direction, shape, groups, dtype, layout, kernel, n, fields = case
+    if direction == "backward":  # forced, as test_gpu_backward_stream_kernel forces it
+        x = make_input(shape, dtype, layout, "cuda")
+        plan = gn.plan(x, groups, kernel=kernel, lag=n, backward=True)
+        assert plan["kernel"] == kernel and plan["layout"] == layout and plan_has(plan, fields), \
+            (fields, plan)
+        w, b = affine(shape[1], dtype, "cuda", "both")
+        dy = lambda: make_input(shape, dtype, layout, "cuda")  # noqa: E731  (fresh each call)
+        check_backward(x, groups, w, b, dy(), kernel=kernel, lag=n)
+        check_backward(x, groups, None, None, dy(), kernel=kernel, lag=n, affine=False)  # dx alone
+        return
+    force = forcing(kernel, n)
+    x = make_input(shape, dtype, layout, "cuda", shift=2.0)
+    plan = gn.plan(x, groups, kernel=kernel, **force)
+    assert plan["kernel"] == kernel and plan["layout"] == layout and plan_has(plan, fields), \
+        (fields, plan)
+    w, b = affine(shape[1], dtype, "cuda", "both")
+    check_against_reference(x, groups, w, b, kernel=kernel, **force)
+    check_saved_statistics(x, groups, kernel, **force)
+    if kernel != "registers":  # the only kernel without an epilogue (kernels/epilogue.cuh)
+        check_epilogue(x, groups, w, b, epilogue_tensors(x, dict(EPILOGUES)["all"]), kernel=kernel,
+                       **force)

@@ -10,9 +10,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-logs}
 mkdir -p "$OUT"
 SANITIZER=${SANITIZER:-$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")}
-# the forced forward and backward paths, the backward tilings and stream
+# the forced forward and backward paths, the instantiations only forcing
+# reaches, the backward tilings and stream
 # kernels, and the epilogue on every forced path
-SELECTION='forced_paths or backward_tilings or backward_stream_kernel or backward_stream_channels_last_kernel or covers_both_merges or ring_of_partials'
+SELECTION='forced_paths or instantiations_no_other or backward_tilings or backward_stream_kernel or backward_stream_channels_last_kernel or covers_both_merges or ring_of_partials'
 tools=("$@")
 [ ${#tools[@]} -eq 0 ] && tools=(memcheck racecheck synccheck initcheck)
 python3 -c "import groupnorm_inline" || exit 1  # build outside the sanitizer
