@@ -10,9 +10,10 @@ single-device model's output.
                                                            [--blocks 2] [--dtype bfloat16]
 
 On GPUs (NCCL) each rank takes cuda:<local rank>; without them, the CPU and
-gloo. Prints the largest difference from the single-device output (every
-rank runs that too, at the end, for the comparison), and each rank's time
-and peak memory. Inference only: the halo exchange records no gradient.
+gloo. Prints each rank's time and peak memory, the same for the whole
+image on one device (every rank runs it, after its slab, for the
+comparison), and the largest difference between the two. Inference only:
+the halo exchange records no gradient.
 """
 
 import argparse
@@ -87,6 +88,22 @@ def row_slabs(rows, world):
     return [rows // world + (r < rows % world) for r in range(world)]
 
 
+def timed(model, x, cuda):
+    """model(x) after a warm-up call: the output, seconds, and the peak of
+    allocated memory during the call in MiB (nan on the CPU)."""
+    with torch.no_grad():
+        model(x)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = model(x)
+        if cuda:
+            torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
+    return out, time.perf_counter() - start, peak
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=int, default=256, help="input height and width")
@@ -103,27 +120,27 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype) if cuda else torch.float32
     torch.manual_seed(0)
     model = decoder_stack(args.channels, args.blocks).to(device, dtype)
-    image = torch.randn(1, args.channels, args.size, args.size, device=device, dtype=dtype)
+
+    def whole_image():  # the same on every rank
+        torch.manual_seed(1)
+        return torch.randn(1, args.channels, args.size, args.size, device=device, dtype=dtype)
+
     shares = row_slabs(args.size, world)
-    slab = torch.split(image, shares, dim=2)[rank]
+    slab = torch.split(whole_image(), shares, dim=2)[rank].clone()  # the rank's rows alone
     sharded = patch_parallel(copy.deepcopy(model), dist.group.WORLD)
-    with torch.no_grad():
-        sharded(slab)  # warm-up
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        out = sharded(slab)
-        if cuda:
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
-        whole = model(image)
-    scale = whole.shape[2] // args.size
-    expected = torch.split(whole, [s * scale for s in shares], dim=2)[rank]
-    error = (out.float() - expected.float()).abs().max().item()
-    print(f"rank {rank}/{world}: rows {shares[rank]} of {args.size}, {seconds * 1e3:.1f} ms, "
-          f"peak {peak:.0f} MiB, largest difference from one device {error:.3e}", flush=True)
+    out, seconds, peak = timed(sharded, slab, cuda)
+    mine = f"rank {rank}/{world}: rows {shares[rank]} of {args.size}, {seconds * 1e3:.1f} ms, " \
+           f"peak {peak:.0f} MiB"
+    try:
+        whole, whole_seconds, whole_peak = timed(model, whole_image(), cuda)
+    except torch.cuda.OutOfMemoryError:  # the reason to split the image
+        print(f"{mine}; the whole image does not fit one device", flush=True)
+    else:
+        scale = whole.shape[2] // args.size
+        expected = torch.split(whole, [s * scale for s in shares], dim=2)[rank]
+        error = (out.float() - expected.float()).abs().max().item()
+        print(f"{mine}; the whole image on one device {whole_seconds * 1e3:.1f} ms, "
+              f"peak {whole_peak:.0f} MiB; largest difference {error:.3e}", flush=True)
     dist.destroy_process_group()
 
 
