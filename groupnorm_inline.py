@@ -1111,7 +1111,8 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
         _check_epilogue_like("group_norm", epilogue, input)
     if process_group is not None:  # a rank's slab may be empty
         _check_process_group(process_group)
-        y = _ShardedGroupNorm.apply(input, weight, bias, num_groups, eps, process_group)
+        sharded = _sharded_traced if torch.compiler.is_compiling() else _ShardedGroupNorm.apply
+        y = sharded(input, weight, bias, num_groups, eps, process_group)
         return y if epilogue is None else _torch_epilogue(y, epilogue)
     if _single_value_per_channel(input, num_groups):
         raise GroupNormError("group_norm: expected more than 1 value per channel, got input of "
@@ -1151,16 +1152,18 @@ def _local_moments(x, groups):
             var.double() * count)
 
 
-def _merged_moments(x, groups, process_group):
+def _merged_moments(x, groups, process_group, differentiable=False):
     """mean, variance and element count of each (n, g) over every rank's slab: one all-gather
     of (count, mean, m2), merged exactly in float64 (Chan et al.): m2 = sum
     of m2_i + n_i (mean_i - mean)^2, so slabs of very different means lose
-    nothing."""
+    nothing. differentiable: by the all-gather that autograd goes back
+    through (a reduce-scatter in the backward)."""
     from torch.distributed import _functional_collectives as collectives
 
     local = torch.stack(_local_moments(x, groups))  # [3, N, G]
     # functional (traceable by torch.compile): [ranks * 3, N, G], rank by rank
-    gathered = collectives.all_gather_tensor(local.contiguous(), 0, process_group)
+    gather = collectives.all_gather_tensor_autograd if differentiable else collectives.all_gather_tensor
+    gathered = gather(local.contiguous(), 0, process_group)
     count, mean, m2 = gathered.reshape(-1, *local.shape).unbind(1)  # each [ranks, N, G]
     total = count.sum(0)
     merged_mean = (count * mean).sum(0) / total
@@ -1184,6 +1187,26 @@ def _check_process_group(process_group):
                          f"(e.g. torch.distributed.group.WORLD), got {type(process_group).__name__}")
 
 
+def _sharded_traced(x, weight, bias, groups, eps, process_group):
+    """_ShardedGroupNorm's forward by differentiable ops, for torch.compile:
+    torch 2.11 compiles the backward of an autograd.Function that holds a
+    functional collective wrongly (the collective moves into the forward
+    graph, fed zeros for dy: every gradient off). Here autograd goes back
+    through the all-gather itself; Inductor picks what to save."""
+    mean, var, _ = _merged_moments(x, groups, process_group, differentiable=True)
+    return _affine(_normalised(x, groups, mean, (var + eps).rsqrt()), weight, bias).to(x.dtype)
+
+
+def _affine(y, weight, bias):
+    """y * weight + bias per channel (either absent), in y's dtype."""
+    shape = (1, y.shape[1]) + (1,) * (y.dim() - 2)
+    if weight is not None:
+        y = y * weight.reshape(shape).to(y.dtype)
+    if bias is not None:
+        y = y + bias.reshape(shape).to(y.dtype)
+    return y
+
+
 class _ShardedGroupNorm(torch.autograd.Function):
     """GroupNorm of a tensor whose spatial dims are split across the ranks
     of a process group, each rank holding a slab. Forward: one all-gather of
@@ -1200,12 +1223,7 @@ class _ShardedGroupNorm(torch.autograd.Function):
     def forward(ctx, x, weight, bias, groups, eps, process_group):
         mean, var, count = _merged_moments(x, groups, process_group)
         rstd = (var + eps).rsqrt()
-        y = _normalised(x, groups, mean, rstd)
-        shape = (1, x.shape[1]) + (1,) * (x.dim() - 2)
-        if weight is not None:
-            y = y * weight.reshape(shape).to(y.dtype)
-        if bias is not None:
-            y = y + bias.reshape(shape).to(y.dtype)
+        y = _affine(_normalised(x, groups, mean, rstd), weight, bias)
         ctx.save_for_backward(x, weight, mean, rstd, count)
         ctx.groups, ctx.process_group = groups, process_group
         ctx.bias_dtype = bias.dtype if bias is not None else None
