@@ -55,6 +55,14 @@ SUITE = [
     ("video 3-D", (2, 512, 16, 64, 64), 32, torch.bfloat16, "contiguous"),
     ("video 3-D", (2, 512, 16, 64, 64), 32, torch.bfloat16, "channels_last"),
     ("audio 1-D", (16, 256, 16000), 16, torch.float32, "contiguous"),
+    ("SDXL UNet", (2, 640, 128, 128), 32, torch.float16, "contiguous"),
+    ("SDXL UNet", (2, 640, 128, 128), 32, torch.float16, "channels_last"),
+    ("SDXL UNet deep", (2, 1280, 64, 64), 32, torch.float16, "contiguous"),
+    ("SDXL UNet deep", (2, 1280, 64, 64), 32, torch.float16, "channels_last"),
+    ("video VAE 3-D", (1, 128, 8, 256, 256), 32, torch.bfloat16, "channels_last"),
+    ("3-D segmentation", (2, 32, 128, 128, 128), 8, torch.bfloat16, "contiguous"),
+    ("3-D segmentation", (2, 32, 128, 128, 128), 8, torch.bfloat16, "channels_last"),
+    ("batch-1 small", (1, 64, 32, 32), 32, torch.float16, "contiguous"),
     ("tiny", (4, 32, 8, 8), 8, torch.float32, "contiguous"),
 ]
 QUICK = {"SD UNet", "SD VAE decoder", "tiny"}
