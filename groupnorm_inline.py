@@ -1147,9 +1147,12 @@ def _local_moments(x, groups):
         zeros = x.new_zeros((N, groups), dtype=torch.float64)
         return zeros, zeros, zeros
     wide = values.double() if x.dtype == torch.float64 else values.float()
-    var, mean = torch.var_mean(wide, dim=-1, correction=0)
-    return (torch.full_like(mean, count, dtype=torch.float64), mean.double(),
-            var.double() * count)
+    # about the group's first value, as the kernels: x - first is exact near
+    # it, so a float32 mean of 1000 + randn keeps its last digits
+    first = wide[..., :1]
+    var, mean = torch.var_mean(wide - first, dim=-1, correction=0)
+    return (torch.full_like(mean, count, dtype=torch.float64),
+            first.squeeze(-1).double() + mean.double(), var.double() * count)
 
 
 def _merged_moments(x, groups, process_group, differentiable=False):
@@ -1162,7 +1165,10 @@ def _merged_moments(x, groups, process_group, differentiable=False):
 
     local = torch.stack(_local_moments(x, groups))  # [3, N, G]
     # functional (traceable by torch.compile): [ranks * 3, N, G], rank by rank
-    gather = collectives.all_gather_tensor_autograd if differentiable else collectives.all_gather_tensor
+    # all_gather_single is all_gather_tensor's name from torch 2.14 (the old
+    # name warns there)
+    gather = (collectives.all_gather_tensor_autograd if differentiable else
+              getattr(collectives, "all_gather_single", collectives.all_gather_tensor))
     gathered = gather(local.contiguous(), 0, process_group)
     count, mean, m2 = gathered.reshape(-1, *local.shape).unbind(1)  # each [ranks, N, G]
     total = count.sum(0)
@@ -1257,10 +1263,16 @@ def _per_group(t):
 
 
 def _normalised(x, groups, mean, rstd):
-    """(x - mean) * rstd per group, in float (double for float64 x), x's shape."""
+    """(x - mean) * rstd per group, in float (double for float64 x), x's shape.
+    The float64 mean goes in two parts, its float value and the rest: x minus
+    the first is exact near it, so centring loses nothing to the mean's
+    rounding."""
     view = _group_view(x, groups)
     wide = view.double() if x.dtype == torch.float64 else view.float()
-    return ((wide - _per_group(mean).to(wide.dtype)) * _per_group(rstd).to(wide.dtype)).reshape(x.shape)
+    high = mean.to(wide.dtype)
+    low = (mean - high.double()).to(wide.dtype)
+    centred = (wide - _per_group(high)) - _per_group(low)
+    return (centred * _per_group(rstd).to(wide.dtype)).reshape(x.shape)
 
 
 def _autocast_float32(t):
