@@ -1,9 +1,20 @@
 """GroupNorm over spatially sharded activations (group_norm's process_group=):
 two processes on the CPU with gloo, each holding a slab of the same samples,
 against the GroupNorm of the whole tensor in float64, forward and backward.
+
+Also a script for torchrun, which launches it as a job of any size: the
+fixed cases (with two ranks) and --cases random ones (rank 3-5, unequal and
+empty slabs along a random spatial axis, one slab shifted by 1000), NCCL
+with a GPU a rank, else gloo:
+
+    torchrun --standalone --nproc-per-node 2 test_distributed.py [--cases 50] [--seed 0]
 """
 
+import argparse
 import os
+import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -49,13 +60,31 @@ def _worker(rank, store_path, backend="gloo"):
         dist.destroy_process_group()
 
 
+def _random_case(rng, world):
+    """A case of CASES' form, drawn from rng (the same draw on every rank)."""
+    dims = rng.choice([3, 4, 5])
+    groups = rng.choice([1, 2, 4])
+    shape = [rng.choice([1, 2, 3]), groups * rng.choice([1, 2, 3])] + \
+        [rng.randint(1, 9) for _ in range(dims - 2)]
+    axis = rng.randrange(2, dims)
+    shape[axis] = max(shape[axis], rng.randint(0, 12))
+    if shape[1] // groups * torch.Size(shape[2:]).numel() < 2:  # torch refuses a group of one value
+        shape[axis] += 2
+    cuts = sorted(rng.randint(0, shape[axis]) for _ in range(world - 1))
+    shares = tuple(b - a for a, b in zip([0] + cuts, cuts + [shape[axis]]))
+    return (tuple(shape), groups, axis, shares, rng.choice([torch.float32, torch.float64]),
+            rng.choice([0.0, 1000.0]))
+
+
 def _check_case(rank, shape, groups, axis, shares, dtype, shift, device):
     generator = torch.Generator().manual_seed(len(shape) * 100 + shape[1])
     full = torch.randn(shape, generator=generator, dtype=torch.float64)
     full.narrow(axis, 0, shares[0]).add_(shift)  # rank 0's slab far from rank 1's
-    weight = torch.randn(shape[1], generator=generator, dtype=torch.float64)
-    bias = torch.randn(shape[1], generator=generator, dtype=torch.float64)
-    dy_full = torch.randn(shape, generator=generator, dtype=torch.float64)
+    # the values the ranks hold, exactly: rounding 1000 + randn to float32
+    # alone moves a group's output by 3e-5 times its rstd
+    full = full.to(dtype).double()
+    weight, bias = (torch.randn(shape[1], generator=generator).to(dtype).double() for _ in range(2))
+    dy_full = torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype).double()
     # the reference: the whole tensor on one device, in float64
     x64 = full.clone().requires_grad_()
     w64, b64 = weight.clone().requires_grad_(), bias.clone().requires_grad_()
@@ -184,8 +213,61 @@ def test_patch_parallel_example_matches_one_device_on_two_cpu_processes(tmp_path
     mp.spawn(_patch_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
 
 
+def _torchrun(backend, cases):
+    """This file under torchrun with two ranks; its exit status and output."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(WORLD), os.path.abspath(__file__), "--cases", str(cases), "--backend", backend]
+    env = {**os.environ, "GROUPNORM_INLINE_LAZY": "1"}
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_random_splits_under_torchrun_on_two_cpu_processes():
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    done = _torchrun("gloo", 20)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("cases match the whole tensor") == WORLD, done.stdout
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
+                    reason="needs two GPUs")
+def test_gpu_random_splits_under_torchrun_on_two_gpus():
+    done = _torchrun("nccl", 50)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("cases match the whole tensor") == WORLD, done.stdout
+
+
 def test_process_group_needs_torch_distributed():
     if dist.is_available() and dist.is_initialized():
         pytest.skip("a process group is initialised in this process")
     with pytest.raises(gn.GroupNormError, match="init_process_group"):
         gn.group_norm(torch.randn(2, 8, 4), 4, process_group=object())
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="sharded GroupNorm against the whole tensor")
+    parser.add_argument("--cases", type=int, default=50, help="random cases after the fixed ones")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", choices=["nccl", "gloo"],
+                        help="default: NCCL when every rank has a GPU, else gloo")
+    args = parser.parse_args(argv)
+    world = int(os.environ["WORLD_SIZE"])
+    backend = args.backend or ("nccl" if torch.cuda.device_count() >= world else "gloo")
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else \
+        torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rng = random.Random(args.seed)
+    cases = (CASES if world == WORLD else []) + [_random_case(rng, world) for _ in range(args.cases)]
+    try:
+        for case in cases:
+            _check_case(rank, *case, device=device)
+    finally:
+        dist.destroy_process_group()
+    print(f"rank {rank}/{world} ({backend}): {len(cases)} cases match the whole tensor", flush=True)
+
+
+if __name__ == "__main__":
+    main()
