@@ -237,28 +237,26 @@ def test_patch_parallel_example_matches_one_device_on_two_cpu_processes(tmp_path
     mp.spawn(_patch_worker, args=(str(tmp_path / "store"),), nprocs=WORLD, join=True)
 
 
-def _torchrun(backend, cases):
-    """This file under torchrun with two ranks; its exit status and output."""
+def _check_under_torchrun(backend, cases):
+    """This file under torchrun with two ranks: both report every case matched."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(WORLD), os.path.abspath(__file__), "--cases", str(cases), "--backend", backend]
     env = {**os.environ, "GROUPNORM_INLINE_LAZY": "1"}
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count("cases match the whole tensor") == WORLD, done.stdout
 
 
 def test_random_splits_under_torchrun_on_two_cpu_processes():
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    done = _torchrun("gloo", 20)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("cases match the whole tensor") == WORLD, done.stdout
+    _check_under_torchrun("gloo", 20)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < WORLD,
                     reason="needs two GPUs")
 def test_gpu_random_splits_under_torchrun_on_two_gpus():
-    done = _torchrun("nccl", 50)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count("cases match the whole tensor") == WORLD, done.stdout
+    _check_under_torchrun("nccl", 50)
 
 
 def test_process_group_needs_torch_distributed():

@@ -4172,19 +4172,16 @@ def test_gpu_instantiations_no_other_test_launches(case):
     if direction == "backward":  # forced, as test_gpu_backward_stream_kernel forces it
         x = make_input(shape, dtype, layout, "cuda")
         plan = gn.plan(x, groups, kernel=kernel, lag=n, backward=True)
-        assert plan["kernel"] == kernel and plan["layout"] == layout and plan_has(plan, fields), \
-            (fields, plan)
-        w, b = affine(shape[1], dtype, "cuda", "both")
+    else:
+        x, plan, force = forced_input((shape, groups, dtype, layout, kernel, n))
+    assert plan["kernel"] == kernel and plan["layout"] == layout and plan_has(plan, fields), \
+        (fields, plan)
+    w, b = affine(shape[1], dtype, "cuda", "both")
+    if direction == "backward":
         dy = lambda: make_input(shape, dtype, layout, "cuda")  # noqa: E731  (fresh each call)
         check_backward(x, groups, w, b, dy(), kernel=kernel, lag=n)
         check_backward(x, groups, None, None, dy(), kernel=kernel, lag=n, affine=False)  # dx alone
         return
-    force = forcing(kernel, n)
-    x = make_input(shape, dtype, layout, "cuda", shift=2.0)
-    plan = gn.plan(x, groups, kernel=kernel, **force)
-    assert plan["kernel"] == kernel and plan["layout"] == layout and plan_has(plan, fields), \
-        (fields, plan)
-    w, b = affine(shape[1], dtype, "cuda", "both")
     check_against_reference(x, groups, w, b, kernel=kernel, **force)
     check_saved_statistics(x, groups, kernel, **force)
     if kernel != "registers":  # the only kernel without an epilogue (kernels/epilogue.cuh)

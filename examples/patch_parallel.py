@@ -100,8 +100,8 @@ def timed(model, x, cuda):
         out = model(x)
         if cuda:
             torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
-    return out, time.perf_counter() - start, peak
+    seconds = time.perf_counter() - start
+    return out, seconds, torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
 
 
 def main(argv=None):
