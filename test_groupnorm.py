@@ -85,16 +85,22 @@ def poisoned(fn, x, blocks=1):
 
 
 def tolerance(x, ref, dtype, torch_err, weight):
-    """float32/64: 1e-5 (1e-12) plus the rounding of x - mean at x's magnitude;
-    float16/bfloat16: torch's own error on the same input, give or take half
-    an output ulp at the largest output."""
+    """The bound on the error against the float64 reference. float16/bfloat16:
+    torch's own error on the same input, give or take half an output ulp at
+    the largest output. float32/64 with torch's error measured: four times
+    it plus four ulps of the largest output, tight enough that a dropped eps,
+    an unbiased variance or an rstd off by 1e-4 fail
+    (test_tolerances_catch_wrong_kernels); without it (torch_err None): 1e-5
+    (1e-12) plus the rounding of x - mean at x's magnitude."""
     eps = torch.finfo(dtype).eps
+    largest = ref.abs().max().item()
     if dtype in (torch.float32, torch.float64):
+        if torch_err is not None:
+            return 4 * torch_err + 4 * eps * largest
         gmax = weight.abs().max().item() if weight is not None else 1.0
-        spread = ref.abs().max().item()
         base = 1e-5 if dtype == torch.float32 else 1e-12
-        return base + 8 * eps * (x.abs().max().item() + spread) * max(gmax, 1.0)
-    return 1.1 * torch_err + 0.5 * eps * ref.abs().max().item()
+        return base + 8 * eps * (x.abs().max().item() + largest) * max(gmax, 1.0)
+    return 1.1 * torch_err + 0.5 * eps * largest
 
 
 def copies(*values):
@@ -171,6 +177,45 @@ def check_against_reference(x, groups, w, b, eps=1e-5, **force):
 # ---------------------------------------------------------------------------
 # CPU-side tests: run everywhere
 # ---------------------------------------------------------------------------
+
+def wrong_group_norm(x, groups, weight, bias, eps, mistake):
+    """GroupNorm in float64 with one of the mistakes a kernel could make,
+    rounded to x's dtype as a kernel's output is."""
+    N, C = x.shape[:2]
+    flat = x.double().reshape(N, groups, -1)
+    mean = flat.mean(-1, keepdim=True)
+    var = flat.var(-1, keepdim=True, correction=1 if mistake == "unbiased variance" else 0)
+    rstd = (var + (0.0 if mistake == "dropped eps" else eps)).rsqrt()
+    if mistake == "rstd off by 1e-4":
+        rstd = rstd * (1 + 1e-4)
+    if mistake == "mean off by 1e-4 of the spread":
+        mean = mean + 1e-4 * var.sqrt()
+    per_channel = (1, C) + (1,) * (x.dim() - 2)
+    y = ((flat - mean) * rstd).reshape(x.shape) * weight.double().reshape(per_channel)
+    return (y + bias.double().reshape(per_channel)).to(x.dtype)
+
+
+@pytest.mark.parametrize("inputs", ["randn", "variance 1e-6", "4x64x32x32", "1000 + randn"])
+def test_tolerances_catch_wrong_kernels(inputs):
+    # the float32 bound of the GPU tests, fed torch's own error on the same
+    # input, holds torch's output and fails kernels with plausible mistakes;
+    # on shifted inputs torch's error is itself 1e-4 of the spread, so only
+    # the unbiased variance stands out there
+    torch.manual_seed(0)
+    shape = (4, 64, 32, 32) if inputs == "4x64x32x32" else (2, 32, 9, 7)
+    x = {"variance 1e-6": 1e-3, "1000 + randn": 1.0}.get(inputs, 1.0) * torch.randn(shape)
+    x = x + (1000 if inputs == "1000 + randn" else 0)
+    w, b = torch.randn(shape[1]), torch.randn(shape[1])
+    ref = tools.reference_group_norm(x, 8, w, b, 1e-5)
+    torch_err = tools.max_error(F.group_norm(x, 8, w, b, 1e-5), ref)
+    tol = tolerance(x, ref, x.dtype, torch_err, w)
+    assert torch_err <= tol
+    mistakes = ["unbiased variance"] if inputs == "1000 + randn" else \
+        ["dropped eps", "unbiased variance", "rstd off by 1e-4", "mean off by 1e-4 of the spread"]
+    for mistake in mistakes:
+        err = tools.max_error(wrong_group_norm(x, 8, w, b, 1e-5, mistake), ref)
+        assert err > tol, (mistake, err, tol)
+
 
 CPU_SHAPES = [((2, 6, 5, 7), 3), ((3, 60, 31), 5), ((4, 8), 2), ((2, 24, 3, 5, 7), 4),
               ((2, 4, 1, 1), 4), ((0, 8, 4), 2)]
@@ -2686,7 +2731,7 @@ def test_gpu_waits_for_work_queued_on_a_delayed_stream(shape, groups, layout, fo
     def check(y):
         torch.cuda.synchronize()
         ref = tools.reference_group_norm(x, groups, w, b, 1e-5)
-        tol = tolerance(x, ref, x.dtype, 0.0, w)
+        tol = tolerance(x, ref, x.dtype, None, w)
         assert tools.max_error(y, ref) <= tol, describe_mismatch(y, ref, tol)
 
     with torch.cuda.stream(side):
@@ -3730,7 +3775,7 @@ def epilogue_tolerance(x, w, args, ref_gn, ref_pre, ref, torch_err):
     scale = args.get("scale")
     gain = (1 + scale.double()).abs().max().item() if scale is not None else 1.0
     big = max(ref_pre.abs().max().item(), ref.abs().max().item())
-    return tolerance(x, ref_gn, dtype, 0.0, w) * gain * 1.5 ** steps + (2 + 4 * steps) * eps * big
+    return tolerance(x, ref_gn, dtype, None, w) * gain * 1.5 ** steps + (2 + 4 * steps) * eps * big
 
 
 def check_epilogue(x, groups, w, b, args, **force):
