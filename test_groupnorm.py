@@ -215,6 +215,23 @@ def test_tolerances_catch_wrong_kernels(inputs):
     for mistake in mistakes:
         err = tools.max_error(wrong_group_norm(x, 8, w, b, 1e-5, mistake), ref)
         assert err > tol, (mistake, err, tol)
+    # the gradients' bound (check_backward's) the same way
+    dy = torch.randn_like(x)
+
+    def grads(fn, cast, mistake=None):
+        leaves = [cast(t).requires_grad_() for t in (x, w, b)]
+        y = fn(*leaves) if mistake is None else wrong_group_norm(*leaves[:1], 8, *leaves[1:], 1e-5, mistake)
+        return torch.autograd.grad(y, leaves, cast(dy))
+
+    exact = grads(lambda *t: tools.reference_group_norm(t[0], 8, t[1], t[2], 1e-5), torch.Tensor.double)
+    theirs = grads(lambda *t: F.group_norm(t[0], 8, t[1], t[2], 1e-5), lambda t: t.clone())
+    bounds = [gradient_tolerance(x.dtype, tools.max_error(t, r), r.abs().max().item())
+              for t, r in zip(theirs, exact)]
+    assert all(tools.max_error(t, r) <= tol for t, r, tol in zip(theirs, exact, bounds))
+    for mistake in mistakes:
+        wrong = [g.float() for g in grads(None, torch.Tensor.double, mistake)]
+        errors = [tools.max_error(g, r) for g, r in zip(wrong, exact)]
+        assert any(e > tol for e, tol in zip(errors, bounds)), (mistake, errors, bounds)
 
 
 CPU_SHAPES = [((2, 6, 5, 7), 3), ((3, 60, 31), 5), ((4, 8), 2), ((2, 24, 3, 5, 7), 4),
@@ -2806,7 +2823,18 @@ def forced_gradients(x, groups, w, b, dy, kernel, lag, affine=True, eps=1e-5):
     return [dx, dw if w is not None else None, db if b is not None else None]
 
 
-def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, affine=True,
+def gradient_tolerance(dtype, torch_err, largest):
+    """The bound on a gradient's error against float64. 16-bit: torch's own
+    error, or one output step at the largest gradient; float32/64: four
+    times torch's error plus four ulps of the largest gradient
+    (test_tolerances_catch_wrong_kernels)."""
+    eps = torch.finfo(dtype).eps
+    if dtype in (torch.float16, torch.bfloat16):
+        return 1.1 * torch_err + eps * largest
+    return 4 * torch_err + 4 * eps * largest + 1e-12
+
+
+def check_backward(x, groups, w, b, dy, kernel="auto", lag=0, affine=True,
                    need_dx=True, eps=1e-5):
     """Gradients through autograd (kernel "auto") or from the forced backward
     kernel, against a float64 reference, within torch's own error; with
@@ -2845,12 +2873,7 @@ def check_backward(x, groups, w, b, dy, shift_scale=1.0, kernel="auto", lag=0, a
         acc_eps = torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
         cancel = 8 * acc_eps * rstd_max * dy.abs().max().item() * (w.abs().max().item() if w is not None
                                                                     else 1.0)
-        # 16-bit: torch's own error, or one output step at the largest
-        # gradient; float32/64: a relative 1e-5 (1e-10), or torch's error
-        base = 1e-10 if x.dtype == torch.float64 else 1e-5
-        tol = (1.1 * torch_err + eps * scale) if x.dtype in (torch.float16, torch.bfloat16) \
-            else max(base * scale * shift_scale, 1.1 * torch_err) + 1e-12
-        tol += cancel if name == "dx" else 0
+        tol = gradient_tolerance(x.dtype, torch_err, scale) + (cancel if name == "dx" else 0)
         assert not mine.isnan().any(), name
         assert err <= tol, f"{name}: error {err:.3e} > {tol:.3e} (torch {torch_err:.3e}, scale {scale:.3e})"
     return ours
@@ -2980,9 +3003,9 @@ def test_gpu_backward_stream_channels_last_kernel(case):
 def test_gpu_backward_stream_shifted_inputs():
     x = make_input((2, 64, 33, 32), torch.float32, "contiguous", "cuda", shift=1000.0)
     w, b = affine(64, x.dtype, "cuda", "both")
-    check_backward(x, 8, w, b, torch.randn_like(x), shift_scale=100.0, kernel="stream")
+    check_backward(x, 8, w, b, torch.randn_like(x), kernel="stream")
     x = x.to(memory_format=torch.channels_last)
-    check_backward(x, 8, w, b, torch.randn_like(x), shift_scale=100.0, kernel="stream")
+    check_backward(x, 8, w, b, torch.randn_like(x), kernel="stream")
 
 
 @cuda
@@ -3065,7 +3088,7 @@ def test_gpu_backward_misaligned_grad_output():
 def test_gpu_backward_shifted_inputs(dtype):
     x = make_input((2, 64, 33, 31), dtype, "contiguous", "cuda", shift=1000.0)
     w, b = affine(64, dtype, "cuda", "both")
-    check_backward(x, 8, w, b, torch.randn_like(x), shift_scale=100.0)
+    check_backward(x, 8, w, b, torch.randn_like(x))
 
 
 @cuda
