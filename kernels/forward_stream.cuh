@@ -34,6 +34,14 @@
 
 namespace groupnorm {
 
+// The channel of element `within` of a unit whose first channel is c0. A
+// vector never straddles two channels (host: HxW % V == 0). Units under 2^31
+// elements find it with a multiply and a shift.
+__device__ __forceinline__ int64_t channel_at(int64_t within, int64_t c0, int64_t HxW,
+                                              bool fast_div, const FastDivider& hxw_div) {
+  return c0 + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
+}
+
 // kEachMerges is a template argument: as a run-time flag, the unused merge
 // costs the other mode registers.
 template <typename scalar_t, int V, bool kEachMerges, bool kFused>
@@ -96,11 +104,35 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
     bool slot_free = true;
     if (stats && tid == 0 && unit >= slots)
       slot_free = load_acquire(&ws.ready[unit - slots]) == readers;
+    // The prologue: s = x + add of the vector's channel, rounded to scalar_t
+    // as torch's add rounds, replaces x in both items of the piece.
+    if constexpr (kFused) {
+      if (ep.add != nullptr) {
+        const int64_t n = unit / G;
+        const int64_t c0 = (unit - n * G) * D;
+#pragma unroll
+        for (int u = 0; u < kItems; ++u) {
+          const int64_t i = int64_t(u) * kStreamThreads + tid;
+          if (i < count) {
+            const int64_t c = channel_at((begin + i) * V, c0, HxW, fast_div, hxw_div);
+            const VecT s = pre_norm_vec<scalar_t, V>(as_vec<VecT>(v[u]), n * ep.C + c, ep);
+            memcpy(&v[u], &s, sizeof(VecT));
+          }
+        }
+      }
+    }
 
     if (stats) {
-      // The piece's first element as a shift keeps the float sum small for
-      // inputs far from zero (1000 + randn).
-      const A shift = static_cast<A>(xs[0].val[0]);
+      // The piece's first element (of s, with the prologue) as a shift keeps
+      // the float sum small for inputs far from zero (1000 + randn).
+      A shift = static_cast<A>(xs[0].val[0]);
+      if constexpr (kFused) {
+        if (ep.add != nullptr) {
+          const int64_t n = unit / G;
+          const int64_t c = channel_at(begin * V, (unit - n * G) * D, HxW, fast_div, hxw_div);
+          shift = static_cast<A>(static_cast<scalar_t>(shift + static_cast<A>(ep.add[n * ep.C + c])));
+        }
+      }
       A sum = 0;
 #pragma unroll
       for (int u = 0; u < kItems; ++u) {
@@ -175,14 +207,12 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
       const A rs = unit_rstd;
       const int64_t n = unit / G;
       const int64_t c0 = (unit - n * G) * D;
-      // A vector never straddles two channels (host: HxW % V == 0). Units
-      // under 2^31 elements find the channel with a multiply and a shift.
 #pragma unroll
       for (int u = 0; u < kItems; ++u) {
         const int64_t i = int64_t(u) * kStreamThreads + tid;
         if (i < count) {
           const int64_t within = (begin + i) * V;
-          const int64_t c = c0 + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
+          const int64_t c = channel_at(within, c0, HxW, fast_div, hxw_div);
           normalise_store<scalar_t, V>(y, unit * L + within, as_vec<VecT>(v[u]), mu,
                                        channel_affine(n, c, rs, gamma, beta, ep), ep);
         }
