@@ -249,12 +249,13 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
   const ForwardPlan plan = choose_forward(c.problem, Request{kernel, team, lag});
   const bool team_kernel =
       plan.kernel == ForwardKernel::Contiguous || plan.kernel == ForwardKernel::ChannelsLast;
-  if (epilogue.add.defined() && plan.kernel != ForwardKernel::Reference &&
-      plan.kernel != ForwardKernel::Stream && !(team_kernel && plan.team.kept >= plan.team.slice)) {
+  if (epilogue.add.defined() && (plan.kernel == ForwardKernel::StreamChannelsLast ||
+                                  (team_kernel && plan.team.kept < plan.team.slice))) {
     // The prologue is in the reference kernel, the contiguous stream (both
     // items of a piece turn x into s) and team kernels that keep their whole
-    // slice on chip (where it turns the kept x into s once); other plans get
-    // s by a separate add (a pass more).
+    // slice on chip (where it turns the kept x into s once); the
+    // channels-last stream and team plans that keep less get s by a
+    // separate add (a pass more).
     std::vector<int64_t> per_channel{c.problem.N, x.size(1)};
     per_channel.resize(size_t(x.dim()), 1);
     return forward_fused(at::add(c.x, epilogue.add.view(per_channel)), weight, bias, groups, eps,
