@@ -39,24 +39,25 @@ __global__ void __launch_bounds__(kReferenceThreads) groupnorm_forward_reference
       return pre_norm(x[at(e)], n * (int64_t(G) * D) + c0 + e / HxW, ep);
     };
 
-    // Summing x - x[0] keeps the float sum small for inputs far from zero.
+    // Summing x - x[0] keeps the float sum small for inputs far from zero; the
+    // compensated sums keep an oracle's long serial sums as exact as torch's.
     const A shift = static_cast<A>(value(0));
-    A sum = 0;
+    CompensatedSum<A> sum;
     for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
-      sum += static_cast<A>(value(e)) - shift;
+      sum.add(static_cast<A>(value(e)) - shift);
     }
-    red[threadIdx.x] = sum;
+    red[threadIdx.x] = sum.sum;
     __syncthreads();
     reduce_groups(red, 1, blockDim.x, 1, blockDim.x, total);
     const A mu = shift + total[0] / A(count);
     __syncthreads();
 
-    A m2 = 0;
+    CompensatedSum<A> m2;
     for (int64_t e = threadIdx.x; e < count; e += blockDim.x) {
       const A d = static_cast<A>(value(e)) - mu;
-      m2 += d * d;
+      m2.add(d * d);
     }
-    red[threadIdx.x] = m2;
+    red[threadIdx.x] = m2.sum;
     __syncthreads();
     reduce_groups(red, 1, blockDim.x, 1, blockDim.x, total);
     const A rs = rsqrt(total[0] / A(count) + eps);

@@ -88,6 +88,19 @@ __device__ void reduce_groups(const A* red, int rows, int cols, int groups, int 
   __syncthreads();
 }
 
+// A long serial sum with Kahan's compensation: its error stays a few ulps
+// of the total instead of growing with the number of terms.
+template <typename A>
+struct CompensatedSum {
+  A sum = 0, carry = 0;
+  __device__ __forceinline__ void add(A v) {
+    const A y = v - carry;
+    const A t = sum + y;
+    carry = (t - sum) - y;
+    sum = t;
+  }
+};
+
 // Running statistics of a set of values: count, mean, sum of squared
 // deviations. merge() is Chan et al.'s pairwise update.
 template <typename A>
