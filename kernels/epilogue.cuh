@@ -207,13 +207,42 @@ __device__ __forceinline__ A activation(Activation a, A v, A slope) {
   return v;
 }
 
-// The chain, in order. One function a type, called, not inlined: inlined
-// into every element of the kernels' unrolled stores it took registers from
-// the whole kernel (the registers kernel spilled) and doubled the build.
-template <typename A>
-__device__ __noinline__ A activate(A v, uint32_t chain, int count, A slope) {
-  for (int i = 0; i < count; ++i, chain >>= 8) v = activation(Activation(chain & 0xffu), v, slope);
-  return v;
+// V values of the accumulation type, passed to and returned from activate
+// in registers.
+template <typename A, int V>
+struct Lanes {
+  A v[V];
+};
+
+// Activation kA on every lane: one switch a vector, V independent chains of
+// arithmetic for the scheduler to interleave.
+template <Activation kA, typename A, int V>
+__device__ __forceinline__ void activate_lanes(Lanes<A, V>& l, A slope) {
+#pragma unroll
+  for (int e = 0; e < V; ++e) l.v[e] = activation(kA, l.v[e], slope);
+}
+
+// The chain, in order, on a stored vector. One function per type and width,
+// called, not inlined: inlined into every store of every kernel it took
+// registers from the whole kernel (the registers kernel spilled) and
+// doubled the build; called per element it cost a call, a switch and the
+// caller's saved registers for each value.
+template <typename A, int V>
+__device__ __noinline__ Lanes<A, V> activate(Lanes<A, V> l, uint32_t chain, int count, A slope) {
+  for (int i = 0; i < count; ++i, chain >>= 8) {
+    switch (Activation(chain & 0xffu)) {
+      case Activation::SiLU: activate_lanes<Activation::SiLU>(l, slope); break;
+      case Activation::GELU: activate_lanes<Activation::GELU>(l, slope); break;
+      case Activation::GELUTanh: activate_lanes<Activation::GELUTanh>(l, slope); break;
+      case Activation::ReLU: activate_lanes<Activation::ReLU>(l, slope); break;
+      case Activation::LeakyReLU: activate_lanes<Activation::LeakyReLU>(l, slope); break;
+      case Activation::Tanh: activate_lanes<Activation::Tanh>(l, slope); break;
+      case Activation::Sigmoid: activate_lanes<Activation::Sigmoid>(l, slope); break;
+      case Activation::Hardswish: activate_lanes<Activation::Hardswish>(l, slope); break;
+      case Activation::Mish: activate_lanes<Activation::Mish>(l, slope); break;
+    }
+  }
+  return l;
 }
 
 // V elements of the residual, read once: through the read-only path, which
@@ -255,8 +284,12 @@ __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t a
 #pragma unroll
       for (int e = 0; e < V; ++e) v[e] = activation(Activation::ReLU, v[e], ep.slope);
     } else if (ep.activations > 0) {
+      Lanes<A, V> l;
 #pragma unroll
-      for (int e = 0; e < V; ++e) v[e] = activate(v[e], ep.chain, ep.activations, ep.slope);
+      for (int e = 0; e < V; ++e) l.v[e] = v[e];
+      l = activate(l, ep.chain, ep.activations, ep.slope);
+#pragma unroll
+      for (int e = 0; e < V; ++e) v[e] = l.v[e];
     }
     if (ep.residual != nullptr) {
       const Vec<scalar_t, V> r = load_residual<scalar_t, V>(ep.residual + at);
