@@ -254,7 +254,8 @@ def compiled_variant(entry, model, call, args, mode):
     compiled = torch.compile(model, mode=None if mode == "compile" else mode)
     start = time.perf_counter()
     with torch.no_grad():
-        out = call(compiled, *args)
+        # cloned: a CUDA graph's second replay overwrites the first's output
+        out = call(compiled, *args).clone()
         call(compiled, *args)
     if out.is_cuda:
         torch.cuda.synchronize()
