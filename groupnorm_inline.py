@@ -1136,10 +1136,11 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
 # Spatially sharded GroupNorm (process_group=)
 # ---------------------------------------------------------------------------
 
-def _local_moments(x, groups):
+def _local_moments(x, groups, inplace=False):
     """(count, mean, m2) of each (n, g) of this rank's slab, in float64: the
     element count, the mean and the sum of squared deviations from it (zero
-    for an empty slab)."""
+    for an empty slab). inplace: centred in the float copy's memory where
+    there is one (not for autograd or tracing)."""
     N = x.shape[0]
     values = _group_view(x, groups).flatten(2)
     count = values.shape[-1]
@@ -1149,8 +1150,9 @@ def _local_moments(x, groups):
     wide = values.double() if x.dtype == torch.float64 else values.float()
     # about the group's first value, as the kernels: x - first is exact near
     # it, so a float32 mean of 1000 + randn keeps its last digits
-    first = wide[..., :1]
-    var, mean = torch.var_mean(wide - first, dim=-1, correction=0)
+    first = wide[..., :1].clone()
+    centred = wide.sub_(first) if inplace and _fresh(wide, x) else wide - first
+    var, mean = torch.var_mean(centred, dim=-1, correction=0)
     return (torch.full_like(mean, count, dtype=torch.float64),
             first.squeeze(-1).double() + mean.double(), var.double() * count)
 
@@ -1160,10 +1162,10 @@ def _merged_moments(x, groups, process_group, differentiable=False):
     of (count, mean, m2), merged exactly in float64 (Chan et al.): m2 = sum
     of m2_i + n_i (mean_i - mean)^2, so slabs of very different means lose
     nothing. differentiable: by the all-gather that autograd goes back
-    through (a reduce-scatter in the backward)."""
+    through (a reduce-scatter in the backward), and no work in place."""
     from torch.distributed import _functional_collectives as collectives
 
-    local = torch.stack(_local_moments(x, groups))  # [3, N, G]
+    local = torch.stack(_local_moments(x, groups, inplace=not differentiable))  # [3, N, G]
     # functional (traceable by torch.compile): [ranks * 3, N, G], rank by rank
     # all_gather_single is all_gather_tensor's name from torch 2.14 (the old
     # name warns there)
@@ -1203,14 +1205,23 @@ def _sharded_traced(x, weight, bias, groups, eps, process_group):
     return _affine(_normalised(x, groups, mean, (var + eps).rsqrt()), weight, bias).to(x.dtype)
 
 
-def _affine(y, weight, bias):
-    """y * weight + bias per channel (either absent), in y's dtype."""
+def _affine(y, weight, bias, inplace=False):
+    """y * weight + bias per channel (either absent), in y's dtype; in y's
+    memory with inplace."""
     shape = (1, y.shape[1]) + (1,) * (y.dim() - 2)
     if weight is not None:
-        y = y * weight.reshape(shape).to(y.dtype)
+        w = weight.reshape(shape).to(y.dtype)
+        y = y.mul_(w) if inplace else y * w
     if bias is not None:
-        y = y + bias.reshape(shape).to(y.dtype)
+        b = bias.reshape(shape).to(y.dtype)
+        y = y.add_(b) if inplace else y + b
     return y
+
+
+def _fresh(t, source):
+    """Whether t has memory of its own, not source's: in-place ops on it
+    leave the caller's tensors alone."""
+    return t.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
 
 
 class _ShardedGroupNorm(torch.autograd.Function):
@@ -1223,13 +1234,16 @@ class _ShardedGroupNorm(torch.autograd.Function):
     data-parallel gradient (DDP does). torch ops in float (double for
     float64), on any device the group's backend serves (gloo: CPU, NCCL:
     CUDA): exact, not yet this module's kernels. The collectives are
-    torch's functional ones, which torch.compile traces."""
+    torch's functional ones, which torch.compile traces. Outside autograd's
+    view (this class's forward and backward), the full-size float
+    temporaries are worked on in place: a slab too large for one device
+    should not need several float copies of itself."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, process_group):
         mean, var, count = _merged_moments(x, groups, process_group)
         rstd = (var + eps).rsqrt()
-        y = _affine(_normalised(x, groups, mean, rstd), weight, bias)
+        y = _affine(_normalised(x, groups, mean, rstd, inplace=True), weight, bias, inplace=True)
         ctx.save_for_backward(x, weight, mean, rstd, count)
         ctx.groups, ctx.process_group = groups, process_group
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -1241,19 +1255,21 @@ class _ShardedGroupNorm(torch.autograd.Function):
 
         x, weight, mean, rstd, count = ctx.saved_tensors
         groups, C = ctx.groups, x.shape[1]
-        xhat = _group_view(_normalised(x, groups, mean, rstd), groups)
+        xhat = _group_view(_normalised(x, groups, mean, rstd, inplace=True), groups)
         dyv = _group_view(dy, groups).to(xhat.dtype)
         g = dyv if weight is None else dyv * weight.reshape(1, groups, C // groups, 1).to(xhat.dtype)
         # sums of g and g * xhat per (n, g) over the whole tensor: one all-reduce
         sums = collectives.all_reduce(torch.stack([g.sum((2, 3)), (g * xhat).sum((2, 3))]).double(),
                                       "sum", ctx.process_group)
         mean_g, mean_gx = (_per_group(t / count).to(xhat.dtype) for t in sums.unbind(0))
-        dx = (g - mean_g - xhat * mean_gx) * _per_group(rstd).to(xhat.dtype)
         dweight = dbias = None
         if weight is not None and ctx.needs_input_grad[1]:
             dweight = (dyv * xhat).sum((0, 3)).reshape(C).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             dbias = dyv.sum((0, 3)).reshape(C).to(ctx.bias_dtype)
+        # dx = (g - mean_g - xhat * mean_gx) * rstd, in g's memory unless g is dy's
+        dx = g.sub_(mean_g) if _fresh(g, dy) else g - mean_g
+        dx = dx.sub_(xhat.mul_(mean_gx)).mul_(_per_group(rstd).to(xhat.dtype))
         return dx.reshape(x.shape).to(x.dtype), dweight, dbias, None, None, None
 
 
@@ -1262,17 +1278,20 @@ def _per_group(t):
     return t[:, :, None, None]
 
 
-def _normalised(x, groups, mean, rstd):
-    """(x - mean) * rstd per group, in float (double for float64 x), x's shape.
+def _normalised(x, groups, mean, rstd, inplace=False):
+    """(x - mean) * rstd per group, in float (double for float64 x), x's shape;
+    with inplace, one tensor of its own, worked on in place (not for autograd).
     The float64 mean goes in two parts, its float value and the rest: x minus
     the first is exact near it, so centring loses nothing to the mean's
     rounding."""
     view = _group_view(x, groups)
     wide = view.double() if x.dtype == torch.float64 else view.float()
-    high = mean.to(wide.dtype)
-    low = (mean - high.double()).to(wide.dtype)
-    centred = (wide - _per_group(high)) - _per_group(low)
-    return (centred * _per_group(rstd).to(wide.dtype)).reshape(x.shape)
+    high, rstd = _per_group(mean.to(wide.dtype)), _per_group(rstd.to(wide.dtype))
+    low = _per_group((mean - mean.to(wide.dtype).double()).to(wide.dtype))
+    if not inplace:
+        return ((wide - high - low) * rstd).reshape(x.shape)
+    centred = wide.sub_(high) if _fresh(wide, x) else wide - high
+    return centred.sub_(low).mul_(rstd).reshape(x.shape)
 
 
 def _autocast_float32(t):

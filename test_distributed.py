@@ -95,9 +95,11 @@ def _check_case(rank, shape, groups, axis, shares, dtype, shift, device):
     # this rank's slab, in the case's dtype
     x = _slabs(full, axis, shares)[rank].to(device, dtype).requires_grad_()
     w, b = (t.to(device, dtype).requires_grad_() for t in (weight, bias))
+    dy = _slabs(dy_full, axis, shares)[rank].to(device, dtype)
+    kept = [t.detach().clone() for t in (x, w, b, dy)]
     y = gn.group_norm(x, groups, w, b, 1e-5, process_group=dist.group.WORLD)
     assert y.shape == x.shape and y.dtype == dtype and y.device == device
-    y.backward(_slabs(dy_full, axis, shares)[rank].to(device, dtype))
+    y.backward(dy)
     tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     if x.numel():  # relative to the largest value (at least 1)
         for mine, whole in ((y, ref.detach()), (x.grad, x64.grad)):
@@ -109,6 +111,12 @@ def _check_case(rank, shape, groups, axis, shares, dtype, shift, device):
         total = mine.double().clone()
         dist.all_reduce(total)
         assert (total.cpu() - whole).abs().max().item() <= tol * max(whole.abs().max().item(), 1.0)
+    # the float temporaries are worked on in place: never the caller's
+    # tensors, with or without weight (dy itself is then the first of them);
+    # after the checks: this call adds to x.grad
+    gn.group_norm(x, groups, process_group=dist.group.WORLD).backward(dy)
+    for t, copy in zip((x, w, b, dy), kept):
+        assert torch.equal(t.detach(), copy)
 
 
 def _check_cuda_graph(rank, device):
