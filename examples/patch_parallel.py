@@ -129,17 +129,20 @@ def main(argv=None):
     slab = torch.split(whole_image(), shares, dim=2)[rank].clone()  # the rank's rows alone
     sharded = patch_parallel(copy.deepcopy(model), dist.group.WORLD)
     out, seconds, peak = timed(sharded, slab, cuda)
-    mine = f"rank {rank}/{world}: rows {shares[rank]} of {args.size}, {seconds * 1e3:.1f} ms, " \
-           f"peak {peak:.0f} MiB"
+    # printed before the whole image is tried, which may fail or take long
+    print(f"rank {rank}/{world}: rows {shares[rank]} of {args.size}, {seconds * 1e3:.1f} ms, "
+          f"peak {peak:.0f} MiB", flush=True)
+    if cuda:
+        torch.cuda.empty_cache()  # the slab's cached blocks, for the whole image
     try:
         whole, whole_seconds, whole_peak = timed(model, whole_image(), cuda)
     except torch.cuda.OutOfMemoryError:  # the reason to split the image
-        print(f"{mine}; the whole image does not fit one device", flush=True)
+        print(f"rank {rank}/{world}: the whole image does not fit one device", flush=True)
     else:
         scale = whole.shape[2] // args.size
         expected = torch.split(whole, [s * scale for s in shares], dim=2)[rank]
         error = (out.float() - expected.float()).abs().max().item()
-        print(f"{mine}; the whole image on one device {whole_seconds * 1e3:.1f} ms, "
+        print(f"rank {rank}/{world}: the whole image on one device {whole_seconds * 1e3:.1f} ms, "
               f"peak {whole_peak:.0f} MiB; largest difference {error:.3e}", flush=True)
     dist.destroy_process_group()
 
