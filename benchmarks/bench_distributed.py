@@ -1,6 +1,8 @@
 """The cost of a spatially sharded GroupNorm: each rank's call with
-process_group= against GroupNorm of the same slab alone (no collective) and
-against the whole tensor's GroupNorm on one GPU.
+process_group= (as called, and its forward replayed from a CUDA graph,
+which removes the host's cost of its many small ops) against GroupNorm of
+the same slab alone (no collective) and against the whole tensor's
+GroupNorm on one GPU.
 
     torchrun --nproc_per_node 2 benchmarks/bench_distributed.py [--rounds 5] [--json PATH]
 
@@ -45,6 +47,20 @@ def median_ms(fn, calls=50):
     return statistics.median(times)
 
 
+def graphed(forward):
+    """forward captured in a CUDA graph (NCCL's collectives can be): its
+    replay, without the host's cost per op. Every rank captures at once."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up outside the capture
+        forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    return graph.replay
+
+
 def contenders(slab, whole, weight, bias, groups, backward):
     """{name: a call}: sharded (a collective), this slab alone, the whole tensor on one GPU."""
     def call(x, **kwargs):
@@ -58,6 +74,8 @@ def contenders(slab, whole, weight, bias, groups, backward):
         return lambda: gn.group_norm(leaf, groups, weight, bias, **kwargs).backward(dy)
 
     fns = {"sharded": call(slab, process_group=dist.group.WORLD), "slab alone": call(slab)}
+    if not backward:
+        fns["sharded, CUDA graph"] = graphed(fns["sharded"])
     if whole is not None:
         fns["whole, one GPU"] = call(whole)
     return fns
@@ -83,7 +101,7 @@ def main(argv=None):
                              mode != "forward")
             times = {k: [] for k in fns}
             for _ in range(args.rounds):
-                for key in ("sharded", "slab alone", "whole, one GPU"):
+                for key in ("sharded", "sharded, CUDA graph", "slab alone", "whole, one GPU"):
                     if key in fns:  # the whole tensor: rank 0 alone
                         times[key].append(median_ms(fns[key]))
                     dist.barrier()  # every rank, after each contender: the next starts together
@@ -92,12 +110,14 @@ def main(argv=None):
         del whole, slab
         torch.cuda.empty_cache()
     if rank == 0:
-        print(f"{'row':<16} {'mode':<17} {'sharded ms':>11} {'slab alone':>11} {'whole, 1 GPU':>13}")
+        print(f"{'row':<16} {'mode':<17} {'sharded ms':>11} {'graphed':>9} {'slab alone':>11} "
+              f"{'whole, 1 GPU':>13}")
         for row in rows:
             for mode in ("forward", "forward+backward"):
                 ms = row[mode]
-                print(f"{row['name']:<16} {mode:<17} {ms['sharded']:11.4f} {ms['slab alone']:11.4f} "
-                      f"{ms['whole, one GPU']:13.4f}")
+                graph = f"{ms['sharded, CUDA graph']:9.4f}" if "sharded, CUDA graph" in ms else " " * 9
+                print(f"{row['name']:<16} {mode:<17} {ms['sharded']:11.4f} {graph} "
+                      f"{ms['slab alone']:11.4f} {ms['whole, one GPU']:13.4f}")
         if args.json:
             meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                     "cuda": torch.version.cuda, "rounds": args.rounds, "ranks": world}
