@@ -1,0 +1,129 @@
+"""Where a compiled model's GPU time goes, torch's GroupNorm against ours
+and against the compile pass: the kernels of a few calls under
+torch.profiler, summed per kernel.
+
+    python3 benchmarks/profile_models.py [--models vae] [--mode compile] [--calls 5] [--top 12]
+                                         [--variants torch,ours,pass] [--json PATH] [--tiny]
+
+The same models as models.py (its builders, inputs and variants): "torch"
+(as shipped), "ours" (replace_groupnorm) and "pass" (as shipped, compiled
+with enable_compile_fusion()). Per variant: wall time per call, the sum of
+its GPU kernels' times per call (their gap is host time the GPU waited
+for), the kernels launched per call, and the kernels that take the most
+time, GroupNorm's own marked. --tiny: toy sizes on the CPU, the profile of
+CPU operators (a smoke test of the script).
+"""
+
+import argparse
+import collections
+import copy
+import json
+import os
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import groupnorm_inline as gn  # noqa: E402
+import models  # noqa: E402
+
+# what names GroupNorm's kernels: torch's, Inductor's fused reductions of it, ours
+GROUPNORM_MARKS = ("group_norm", "groupnorm", "GroupNorm", "native_group_norm")
+
+
+def variants(name, mode, tiny, device, wanted):
+    """{variant: callable} for one model, each of `wanted` compiled in `mode`."""
+    model, make_inputs, dtype, cl, call = models.MODELS[name](tiny)
+    if tiny:
+        dtype = torch.float32
+    model = model.to(device).eval()
+    torch.manual_seed(0)
+    args = tuple(models.channels_last(a, cl) if a.is_floating_point() else a
+                 for a in make_inputs(dtype, device))
+    model = model.to(dtype)
+    built = {"torch": model, "ours": gn.replace_groupnorm(copy.deepcopy(model), strict=True),
+             "pass": copy.deepcopy(model)}
+    if cl:
+        for m in built.values():
+            for p in m.parameters():
+                p.data = models.channels_last(p.data, True)
+    out = {}
+    for v, m in built.items():
+        if v not in wanted:
+            continue
+        fn = models.with_compile_fusion(call) if v == "pass" else call
+        compiled, _ = models.compiled_variant({}, m, fn, args, mode)
+        out[v] = compiled
+    return out
+
+
+def kernel_table(prof, device, calls):
+    """(per-call GPU ms, per-call kernel count, {kernel: per-call ms})."""
+    totals = collections.Counter()
+    count = 0
+    for e in prof.events():
+        if device.type == "cuda":
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            t = e.device_time
+        else:
+            if e.cpu_parent is not None:
+                continue
+            t = e.cpu_time
+        totals[e.name] += t / 1e3 / calls
+        count += 1
+    return sum(totals.values()), count / calls, totals
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="vae")
+    parser.add_argument("--mode", default="compile", choices=("compile", "reduce-overhead"))
+    parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--json")
+    parser.add_argument("--variants", default="torch,ours,pass")
+    parser.add_argument("--tiny", action="store_true")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if device.type == "cpu" and not args.tiny:
+        parser.error("no CUDA device: only --tiny runs on the CPU")
+    models.warm_inductor(device)
+    report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "mode": args.mode,
+              "calls": args.calls, "models": {}}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    for name in args.models.split(","):
+        entry = report["models"][name] = {}
+        for variant, fn in variants(name, args.mode, args.tiny, device, args.variants.split(",")).items():
+            fn()  # warm
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            with profile(activities=activities) as prof:
+                for _ in range(args.calls):
+                    fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) * 1e3 / args.calls
+            busy, launches, totals = kernel_table(prof, device, args.calls)
+            top = totals.most_common(args.top)
+            groupnorm_ms = sum(ms for k, ms in totals.items() if any(m in k for m in GROUPNORM_MARKS))
+            entry[variant] = {"wall_ms": wall, "kernel_ms": busy, "kernels": launches,
+                              "groupnorm_named_ms": groupnorm_ms, "top": top}
+            print(f"{name} {variant}: wall {wall:.2f} ms a call (profiled), kernels {busy:.2f} ms "
+                  f"in {launches:.0f} launches, named GroupNorm {groupnorm_ms:.2f} ms", flush=True)
+            for kernel, ms in top:
+                mark = " *" if any(m in kernel for m in GROUPNORM_MARKS) else ""
+                print(f"    {ms:8.3f} ms  {kernel[:110]}{mark}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()
