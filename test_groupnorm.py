@@ -3801,28 +3801,41 @@ def epilogue_tolerance(x, w, args, ref_gn, ref_pre, ref, torch_err):
     return tolerance(x, ref_gn, dtype, None, w) * gain * 1.5 ** steps + (2 + 4 * steps) * eps * big
 
 
-def check_epilogue(x, groups, w, b, args, **force):
+def check_epilogue(x, groups, w, b, args, eps=1e-5, **force):
     """groupnorm_cuda with the epilogue `args` (and forcing arguments), its
     output in a poisoned block, against a float64 reference: GroupNorm
     written out in float64, then the epilogue's torch ops in float64 on the
-    GPU (torch's CUDA formulas, which the kernels follow). The epilogue's
-    tensors must come back unchanged."""
-    ref_gn = tools.reference_group_norm(x, groups, w, b, 1e-5)
-    double = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    GPU (torch's CUDA formulas, which the kernels follow). An (N, C) `add`
+    among args is the prologue: the references normalise x + add rounded to
+    x's dtype, as torch's add rounds. The epilogue's tensors must come back
+    unchanged."""
+    epilogue = {k: v for k, v in args.items() if k != "add"}
+    s = x
+    if args.get("add") is not None:
+        s = x + args["add"].reshape(tuple(x.shape[:2]) + (1,) * (x.dim() - 2))
+    ref_gn = tools.reference_group_norm(s, groups, w, b, eps)
+    double = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in epilogue.items()}
     ref_pre = apply_epilogue(ref_gn, scale=double.get("scale"), shift=double.get("shift"))
     ref = apply_epilogue(ref_gn, **double)
     dense = x.is_contiguous() or channels_last_like(x)
     before = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
-    y, landed = poisoned(lambda: gn.groupnorm_cuda(x, w, b, groups, 1e-5, **force, **args), x,
+    y, landed = poisoned(lambda: gn.groupnorm_cuda(x, w, b, groups, eps, **force, **args), x,
                          blocks=1 if dense else 2)
     assert landed, "output did not reuse a poisoned block"
     assert y.shape == x.shape and y.dtype == x.dtype
-    if dense:
-        assert y.stride() == x.stride(), f"memory format not kept: {y.stride()} vs {x.stride()}"
+    if dense:  # x's memory format, up to the strides of size-1 dims
+        assert [st for st, n in zip(y.stride(), y.shape) if n > 1] == \
+               [st for st, n in zip(x.stride(), x.shape) if n > 1], \
+               f"memory format not kept: {y.stride()} vs {x.stride()}"
     for name, value in before.items():
         assert torch.equal(args[name], value), f"{name} was modified"
     if x.numel() == 0:
         return y
+    theirs = apply_epilogue(tools.torch_group_norm(s, groups, w, b, eps), **epilogue)
+    tol = epilogue_tolerance(s, w, epilogue, ref_gn, ref_pre, ref, tools.max_error(theirs, ref))
+    assert not y.isnan().any(), describe_mismatch(y, ref, tol)
+    assert tools.max_error(y, ref) <= tol, describe_mismatch(y, ref, tol)
+    return y
     theirs = apply_epilogue(tools.torch_group_norm(x, groups, w, b, 1e-5), **args)
     tol = epilogue_tolerance(x, w, args, ref_gn, ref_pre, ref, tools.max_error(theirs, ref))
     assert not y.isnan().any(), describe_mismatch(y, ref, tol)

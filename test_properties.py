@@ -1,13 +1,16 @@
 """Property-based tests (hypothesis): random shapes, groups, dtypes, layouts,
-eps and data, against torch's GroupNorm in float64 on a copy of the input.
+eps and data, against torch's GroupNorm in float64 on a copy of the input;
+and the same inputs with random fused options (scale, shift, an activation
+chain, residual, an (N, C) add) against the unfused sequence.
 
 GROUPNORM_FUZZ_PROFILE picks the profile (default "ci"):
   ci   derandomized, the same cases every run: 300 through group_norm on CPU
        tensors (torch's kernel behind this module's argument handling, which
-       checks that handling, the float64 reference and the tolerances), and on
-       a GPU 300 forward and 50 backward cases through the kernels;
+       checks that handling, the float64 reference and the tolerances) and
+       100 fused ones (bitwise torch's unfused sequence there), and on a GPU
+       300 forward, 50 backward and 100 fused cases through the kernels;
   gpu  random cases on a GPU: 2,500 forward through groupnorm_cuda with forced
-       kernels, 500 backward; the CPU test keeps its ci cases.
+       kernels, 500 backward, 1,000 fused; the CPU tests keep their ci cases.
 GPU tests skip without a GPU. A failure prints the case and the
 @reproduce_failure line that replays it.
 """
@@ -24,19 +27,22 @@ from hypothesis import strategies as st
 
 import groupnorm_inline as gn
 import groupnorm_tools as tools
-from test_groupnorm import (DTYPES, affine, assert_unchanged, channels_last_like, check_backward, copies, cuda,
-                            describe_mismatch, make_input, poisoned, tolerance)
+from test_groupnorm import (ACTIVATIONS, DTYPES, affine, apply_epilogue, assert_unchanged, channels_last_like,
+                            check_backward, check_epilogue, copies, cuda, describe_mismatch, epilogue_tensors,
+                            make_input, poisoned, tolerance)
 
 PROFILE = os.environ.get("GROUPNORM_FUZZ_PROFILE", "ci")
 _COMMON = dict(deadline=None, database=None, print_blob=True)
-PROFILES = {  # (forward cases, backward cases, derandomized)
-    "ci": (300, 50, True),
-    "gpu": (2500, 500, False),
+PROFILES = {  # (forward cases, backward cases, derandomized, fused forward cases)
+    "ci": (300, 50, True, 100),
+    "gpu": (2500, 500, False, 1000),
 }
 if PROFILE not in PROFILES:
     raise ValueError(f"GROUPNORM_FUZZ_PROFILE must be one of {sorted(PROFILES)}, got {PROFILE!r}")
-FORWARD_CASES, BACKWARD_CASES, DERANDOMIZE = PROFILES[PROFILE]
+FORWARD_CASES, BACKWARD_CASES, DERANDOMIZE, FUSED_CASES = PROFILES[PROFILE]
 CI_SETTINGS = settings(max_examples=PROFILES["ci"][0], derandomize=True, **_COMMON)
+CI_FUSED_SETTINGS = settings(max_examples=PROFILES["ci"][3], derandomize=True, **_COMMON)
+FUSED_SETTINGS = settings(max_examples=FUSED_CASES, derandomize=DERANDOMIZE, **_COMMON)
 FORWARD_SETTINGS = settings(max_examples=FORWARD_CASES, derandomize=DERANDOMIZE, **_COMMON)
 BACKWARD_SETTINGS = settings(max_examples=BACKWARD_CASES, derandomize=DERANDOMIZE, **_COMMON)
 
@@ -55,6 +61,8 @@ DATA = {  # (shift, scale) of the values: randn * scale + shift
 }
 EPS = [1e-5, 1e-6, 1e-3, 0.1, 1.0, 1e-12, 0.0]
 FORWARD_KERNELS = ["auto", "reference", "registers", "contiguous", "channels_last", "stream"]
+FUSED_KERNELS = [k for k in FORWARD_KERNELS if k != "registers"]  # it takes no epilogue yet
+STEPS = [*ACTIVATIONS, ("leaky_relu", 0.2)]  # an activation chain's steps
 BACKWARD_KERNELS = ["auto", "passes", "stream"]
 
 
@@ -293,6 +301,80 @@ def check_forward(case, device):
         layer_y = module_output(x, case, weight, bias)
         if layer_y is not None:
             torch.testing.assert_close(layer_y, y, rtol=0, atol=0, equal_nan=True)
+    assert_unchanged(kept, storage, weight, bias)
+
+
+@st.composite
+def fused_options(draw):
+    """Which fused options a case takes: any of scale, shift, residual and an
+    (N, C) add, and an activation chain of up to four steps (or none)."""
+    chain = tuple(draw(st.lists(st.sampled_from(STEPS), max_size=4)))
+    return {"scale": draw(st.booleans()), "shift": draw(st.booleans()),
+            "residual": draw(st.booleans()), "add": draw(st.booleans()),
+            "activation": chain or None}
+
+
+def fused_arguments(x, case, options):
+    """The keyword arguments of the case's fused options: fresh tensors of x's
+    dtype and device drawn from the case's seed (reproducible from the case)."""
+    devices = [x.device.index if x.device.index is not None else torch.cuda.current_device()] \
+        if x.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(case.seed + 2)
+        args = epilogue_tensors(x, options)
+        if options["add"]:
+            args["add"] = torch.randn(x.shape[:2], device=x.device).to(x.dtype)
+    return args
+
+
+def unfused_sequence(x, case, weight, bias, args):
+    """What the fused call computes, by torch's ops one after another."""
+    s = x
+    if args.get("add") is not None:
+        s = x + args["add"].reshape(tuple(x.shape[:2]) + (1,) * (x.dim() - 2))
+    y = F.group_norm(s, case.groups, weight, bias, case.eps)
+    return apply_epilogue(y, **{k: v for k, v in args.items() if k != "add"})
+
+
+@CI_FUSED_SETTINGS
+@given(case=cases(CPU_BUDGET, specials=False), options=fused_options())
+def test_cpu_fused_options_match_the_unfused_sequence(case, options):
+    x, storage, weight, bias = build(case, "cpu")
+    assume_defined(x, case)
+    assume(x.numel() != case.groups)  # F.group_norm refuses one value per channel
+    args = fused_arguments(x, case, options)
+    kept = copies(storage, weight, bias, *args.values())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        y = gn.group_norm(x, case.groups, weight, bias, case.eps, **args)
+        expected = unfused_sequence(x, case, weight, bias, args)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(y, expected, rtol=0, atol=0, equal_nan=True)
+    assert_unchanged(kept, storage, weight, bias, *args.values())
+
+
+@cuda
+@FUSED_SETTINGS
+@given(case=cases(GPU_BUDGET, kernels=FUSED_KERNELS, specials=False), options=fused_options())
+def test_gpu_fused_options_match_float64_reference(case, options):
+    x, storage, weight, bias = build(case, "cuda")
+    assume_defined(x, case)
+    args = fused_arguments(x, case, options)
+    if args.get("add") is not None:  # the sum's groups must be defined too
+        s = x + args["add"].reshape(tuple(x.shape[:2]) + (1,) * (x.dim() - 2))
+        assume_defined(s, case)
+    kernel = case.kernel
+    if kernel != "auto":
+        try:
+            gn.plan(x, case.groups, kernel=kernel)
+        except (ValueError, RuntimeError):  # this kernel cannot take x
+            kernel = "auto"
+    event(f"fused kernel={kernel}")
+    kept = copies(storage, weight, bias)
+    check_epilogue(x, case.groups, weight, bias, args, eps=case.eps,
+                   **({"kernel": kernel} if kernel != "auto" else {}))
     assert_unchanged(kept, storage, weight, bias)
 
 
