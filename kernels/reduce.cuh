@@ -89,13 +89,19 @@ __device__ void reduce_groups(const A* red, int rows, int cols, int groups, int 
 }
 
 // A long serial sum with Kahan's compensation: its error stays a few ulps
-// of the total instead of growing with the number of terms.
+// of the total instead of growing with the number of terms. Once the sum is
+// inf or NaN it stays what a plain sum would be (the carry would be NaN).
 template <typename A>
 struct CompensatedSum {
   A sum = 0, carry = 0;
   __device__ __forceinline__ void add(A v) {
     const A y = v - carry;
     const A t = sum + y;
+    if (!isfinite(t)) {
+      sum = t;
+      carry = 0;
+      return;
+    }
     carry = (t - sum) - y;
     sum = t;
   }
