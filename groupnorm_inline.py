@@ -1251,6 +1251,13 @@ class _ShardedGroupNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        x, weight = ctx.saved_tensors[:2]
+        with torch.no_grad():  # in place below, and no gradients of gradients
+            grads = _ShardedGroupNorm._gradients(ctx, dy)
+        return _refusing_double_backward(grads, dy, x, weight) + (None, None, None)
+
+    @staticmethod
+    def _gradients(ctx, dy):
         from torch.distributed import _functional_collectives as collectives
 
         x, weight, mean, rstd, count = ctx.saved_tensors
@@ -1270,7 +1277,22 @@ class _ShardedGroupNorm(torch.autograd.Function):
         # dx = (g - mean_g - xhat * mean_gx) * rstd, in g's memory unless g is dy's
         dx = g.sub_(mean_g) if _fresh(g, dy) else g - mean_g
         dx = dx.sub_(xhat.mul_(mean_gx)).mul_(_per_group(rstd).to(xhat.dtype))
-        return dx.reshape(x.shape).to(x.dtype), dweight, dbias, None, None, None
+        return dx.reshape(x.shape).to(x.dtype), dweight, dbias
+
+
+def _refusing_double_backward(grads, *sources):
+    """grads as they are, or, where autograd records a graph of the backward
+    (create_graph=True) and a source requires grad, behind a node that
+    raises if anything differentiates through them: as the kernels' op
+    does, rather than leaving them silently without a gradient."""
+    if not torch.is_grad_enabled() or not any(t is not None and t.requires_grad for t in sources):
+        return grads
+    error = torch._C._functions.DelayedError(_NO_DOUBLE_BACKWARD.encode(), len(grads))
+    return tuple(error(*[g.detach().requires_grad_() if g is not None else None for g in grads]))
+
+
+_NO_DOUBLE_BACKWARD = ("groupnorm_inline: double backward (gradients of gradients) is not "
+                       "supported; use torch's own group_norm for that")
 
 
 def _per_group(t):

@@ -117,6 +117,16 @@ def _check_case(rank, shape, groups, axis, shares, dtype, shift, device):
     gn.group_norm(x, groups, process_group=dist.group.WORLD).backward(dy)
     for t, copy in zip((x, w, b, dy), kept):
         assert torch.equal(t.detach(), copy)
+    # no double backward, as the kernels' op: refused, not a wrong answer
+    y = gn.group_norm(x, groups, w, b, process_group=dist.group.WORLD)
+    (dx,) = torch.autograd.grad(y, x, dy, create_graph=True)
+    if x.numel():
+        try:
+            dx.sum().backward()
+        except RuntimeError as error:
+            assert "double backward (gradients of gradients) is not supported" in str(error), error
+        else:
+            raise AssertionError("a double backward through the sharded call ran")
 
 
 def _check_cuda_graph(rank, device):
