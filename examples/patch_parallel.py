@@ -132,8 +132,9 @@ def main(argv=None):
     # printed before the whole image is tried, which may fail or take long
     print(f"rank {rank}/{world}: rows {shares[rank]} of {args.size}, {seconds * 1e3:.1f} ms, "
           f"peak {peak:.0f} MiB", flush=True)
+    del sharded  # its copy of the weights, and the slab's cached blocks, for the whole image
     if cuda:
-        torch.cuda.empty_cache()  # the slab's cached blocks, for the whole image
+        torch.cuda.empty_cache()
     try:
         whole, whole_seconds, whole_peak = timed(model, whole_image(), cuda)
     except torch.cuda.OutOfMemoryError:  # the reason to split the image
