@@ -165,7 +165,9 @@ def training_step(model, call, args):
     model.eval()
 
 
-def run_model(name, modes, rounds, device, tiny):
+def prepare(name, tiny, device):
+    """(model in float32 on device, in eval mode; its inputs; dtype; whether
+    channels_last; call) for one model of MODELS, inputs drawn from seed 0."""
     model, make_inputs, dtype, cl, call = MODELS[name](tiny)
     if tiny:
         dtype = torch.float32
@@ -173,17 +175,29 @@ def run_model(name, modes, rounds, device, tiny):
     torch.manual_seed(0)
     args = tuple(channels_last(a, cl) if a.is_floating_point() else a
                  for a in make_inputs(dtype, device))
-    reference_model = copy.deepcopy(model).double()
-    with torch.no_grad():
-        reference = call(reference_model, *(a.double() if a.is_floating_point() else a
-                                            for a in args))
-    del reference_model
+    return model, args, dtype, cl, call
+
+
+def variant_models(model, dtype, cl):
+    """{"torch": as shipped, "ours": after replace_groupnorm}: copies of model
+    in dtype, their conv weights channels_last where the inputs are."""
     variants = {"torch": copy.deepcopy(model).to(dtype)}
     variants["ours"] = gn.replace_groupnorm(copy.deepcopy(model).to(dtype), strict=True)
     if cl:
         for m in variants.values():
             for p in m.parameters():  # conv weights: 4-D channels_last, 5-D channels_last_3d
                 p.data = channels_last(p.data, True)
+    return variants
+
+
+def run_model(name, modes, rounds, device, tiny):
+    model, args, dtype, cl, call = prepare(name, tiny, device)
+    reference_model = copy.deepcopy(model).double()
+    with torch.no_grad():
+        reference = call(reference_model, *(a.double() if a.is_floating_point() else a
+                                            for a in args))
+    del reference_model
+    variants = variant_models(model, dtype, cl)
     result = {"model": name, "dtype": str(dtype)[6:], "channels_last": cl,
               "groupnorms": groupnorm_count(model), "swapped": ours_count(variants["ours"]),
               "variants": {}}

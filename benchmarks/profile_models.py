@@ -26,8 +26,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import groupnorm_inline as gn  # noqa: E402
 import models  # noqa: E402
 
 # what names GroupNorm's kernels: torch's, Inductor's fused reductions of it, ours
@@ -36,28 +34,12 @@ GROUPNORM_MARKS = ("group_norm", "groupnorm", "GroupNorm", "native_group_norm")
 
 def variants(name, mode, tiny, device, wanted):
     """{variant: callable} for one model, each of `wanted` compiled in `mode`."""
-    model, make_inputs, dtype, cl, call = models.MODELS[name](tiny)
-    if tiny:
-        dtype = torch.float32
-    model = model.to(device).eval()
-    torch.manual_seed(0)
-    args = tuple(models.channels_last(a, cl) if a.is_floating_point() else a
-                 for a in make_inputs(dtype, device))
-    model = model.to(dtype)
-    built = {"torch": model, "ours": gn.replace_groupnorm(copy.deepcopy(model), strict=True),
-             "pass": copy.deepcopy(model)}
-    if cl:
-        for m in built.values():
-            for p in m.parameters():
-                p.data = models.channels_last(p.data, True)
-    out = {}
-    for v, m in built.items():
-        if v not in wanted:
-            continue
-        fn = models.with_compile_fusion(call) if v == "pass" else call
-        compiled, _ = models.compiled_variant({}, m, fn, args, mode)
-        out[v] = compiled
-    return out
+    model, args, dtype, cl, call = models.prepare(name, tiny, device)
+    built = models.variant_models(model, dtype, cl)
+    built["pass"] = copy.deepcopy(built["torch"])  # its own copy, as models.py's
+    return {v: models.compiled_variant({}, m, models.with_compile_fusion(call) if v == "pass" else call,
+                                       args, mode)[0]
+            for v, m in built.items() if v in wanted}
 
 
 def kernel_table(prof, device, calls):
