@@ -1188,6 +1188,14 @@ def apply_epilogue(y, scale=None, shift=None, activation=None, residual=None):
     return y
 
 
+def pre_norm_sum(x, add=None):
+    """x + add by torch's add (rounded to x's dtype), add (N, C) broadcast over
+    x's spatial dims: what the fused call normalises; x without an add."""
+    if add is None:
+        return x
+    return x + add.reshape(tuple(x.shape[:2]) + (1,) * (x.dim() - 2))
+
+
 # (name, options): each option alone, chains, and everything at once
 EPILOGUES = [
     ("scale", dict(scale=True)),
@@ -3810,9 +3818,7 @@ def check_epilogue(x, groups, w, b, args, eps=1e-5, **force):
     x's dtype, as torch's add rounds. The epilogue's tensors must come back
     unchanged."""
     epilogue = {k: v for k, v in args.items() if k != "add"}
-    s = x
-    if args.get("add") is not None:
-        s = x + args["add"].reshape(tuple(x.shape[:2]) + (1,) * (x.dim() - 2))
+    s = pre_norm_sum(x, args.get("add"))
     ref_gn = tools.reference_group_norm(s, groups, w, b, eps)
     double = {k: v.double() if isinstance(v, torch.Tensor) else v for k, v in epilogue.items()}
     ref_pre = apply_epilogue(ref_gn, scale=double.get("scale"), shift=double.get("shift"))

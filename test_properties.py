@@ -29,7 +29,7 @@ import groupnorm_inline as gn
 import groupnorm_tools as tools
 from test_groupnorm import (ACTIVATIONS, DTYPES, affine, apply_epilogue, assert_unchanged, channels_last_like,
                             check_backward, check_epilogue, copies, cuda, describe_mismatch, epilogue_tensors,
-                            make_input, poisoned, tolerance)
+                            make_input, poisoned, pre_norm_sum, tolerance)
 
 PROFILE = os.environ.get("GROUPNORM_FUZZ_PROFILE", "ci")
 _COMMON = dict(deadline=None, database=None, print_blob=True)
@@ -331,10 +331,7 @@ def fused_arguments(x, case, options):
 
 def unfused_sequence(x, case, weight, bias, args):
     """What the fused call computes, by torch's ops one after another."""
-    s = x
-    if args.get("add") is not None:
-        s = x + args["add"].reshape(tuple(x.shape[:2]) + (1,) * (x.dim() - 2))
-    y = F.group_norm(s, case.groups, weight, bias, case.eps)
+    y = F.group_norm(pre_norm_sum(x, args.get("add")), case.groups, weight, bias, case.eps)
     return apply_epilogue(y, **{k: v for k, v in args.items() if k != "add"})
 
 
@@ -364,9 +361,7 @@ def test_gpu_fused_options_match_float64_reference(case, options):
     x, storage, weight, bias = build(case, "cuda")
     assume_defined(x, case)
     args = fused_arguments(x, case, options)
-    if args.get("add") is not None:  # the sum's groups must be defined too
-        s = x + args["add"].reshape(tuple(x.shape[:2]) + (1,) * (x.dim() - 2))
-        assume_defined(s, case)
+    assume_defined(pre_norm_sum(x, args.get("add")), case)  # the sum's groups too
     kernel = case.kernel
     if kernel != "auto":
         try:
