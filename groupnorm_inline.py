@@ -1308,8 +1308,9 @@ def _normalised(x, groups, mean, rstd, inplace=False):
     rounding."""
     view = _group_view(x, groups)
     wide = view.double() if x.dtype == torch.float64 else view.float()
-    high, rstd = _per_group(mean.to(wide.dtype)), _per_group(rstd.to(wide.dtype))
-    low = _per_group((mean - mean.to(wide.dtype).double()).to(wide.dtype))
+    high = mean.to(wide.dtype)
+    low = _per_group((mean - high.double()).to(wide.dtype))
+    high, rstd = _per_group(high), _per_group(rstd.to(wide.dtype))
     if not inplace:
         return ((wide - high - low) * rstd).reshape(x.shape)
     centred = wide.sub_(high) if _fresh(wide, x) else wide - high
