@@ -950,8 +950,9 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     if epilogue is not None:
         _check_epilogue_like("groupnorm_cuda", epilogue, x)
     if _func_transformed(x, gamma, beta, *(epilogue.tensors() if epilogue else ())):
-        raise GroupNormError("groupnorm_cuda: torch.func transforms (grad, vmap, ...) are not "
-                             "supported; group_norm hands them to torch")
+        raise GroupNormError("groupnorm_cuda: torch.func transforms (grad, vmap, ...) and "
+                             "forward-mode AD (dual tensors) are not supported; group_norm "
+                             "hands them to torch")
     if kernel == "auto" and team == 0 and lag == 0:
         return _cuda_forward(x, gamma, beta, groups, eps, epilogue)
     if torch.compiler.is_compiling() or _needs_grad(x, gamma, beta):
@@ -1029,13 +1030,20 @@ def _takes_cuda_path(input, weight, bias, *others):
 
 def _func_transformed(*tensors):
     """Tensors inside torch.func transforms (grad, vmap, jacrev) are wrappers
-    without storage that a CUDA kernel cannot read; torch's group_norm takes
-    them. (Checked in eager mode only: a torch.compile trace sees plain fake
-    tensors.)"""
+    without storage that a CUDA kernel cannot read, and forward-mode AD's dual
+    tensors carry a tangent our kernels have no derivative for; torch's
+    group_norm takes both. (Checked in eager mode only: a torch.compile trace
+    sees plain fake tensors.)"""
     if torch.compiler.is_compiling():
         return False
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    return any(t is not None and wrapped(t) for t in tensors)
+    if any(t is not None and wrapped(t) for t in tensors):
+        return True
+    # dual tensors exist only inside a dual_level() context, which sets the level
+    level = torch.autograd.forward_ad._current_level
+    return level >= 0 and any(
+        t is not None and torch.autograd.forward_ad.unpack_dual(t, level=level).tangent is not None
+        for t in tensors)
 
 
 def _needs_grad(*tensors):

@@ -3153,6 +3153,33 @@ def test_gpu_torch_func_transforms_go_to_torch():
 
 
 @cuda
+def test_gpu_forward_mode_ad_goes_to_torch():
+    # a dual tensor's tangent would be dropped by our kernels without a word
+    import torch.autograd.forward_ad as fwAD
+    x = make_input((2, 16, 5, 5), torch.float32, "contiguous", "cuda")
+    w, b = affine(16, torch.float32, "cuda", "both")
+    tangent = torch.randn_like(x)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, tangent)
+        ours = fwAD.unpack_dual(gn.group_norm(dual, 4, w, b))
+        theirs = fwAD.unpack_dual(F.group_norm(dual, 4, w, b))
+        with pytest.raises(ValueError, match="forward-mode AD"):
+            gn.groupnorm_cuda(dual, w, b, 4)
+    torch.testing.assert_close(ours.primal, theirs.primal)
+    torch.testing.assert_close(ours.tangent, theirs.tangent)
+
+
+def test_dual_tensors_count_as_transformed():
+    import torch.autograd.forward_ad as fwAD
+    x = torch.randn(2, 4, 3)
+    assert not gn._func_transformed(x, None)
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(x, torch.ones_like(x))
+        assert gn._func_transformed(None, dual)
+        assert not gn._func_transformed(x)
+
+
+@cuda
 def test_gpu_backward_output_is_fully_written():
     x = make_input((4, 64, 24, 24), torch.float32, "contiguous", "cuda").requires_grad_()
     y = gn.groupnorm_cuda(x, None, None, 8)
