@@ -139,8 +139,26 @@ Outputs backward_autograd(const at::Tensor& dy, const at::Tensor& x, const at::T
   return as_tuple(error->apply(std::move(inputs)));
 }
 
+// Whether a call must go through its autograd Function: grad mode on and a
+// tensor argument requiring grad, or a forward-mode tangent (which the
+// Function refuses). Otherwise (inference, compiled inference graphs) the
+// call goes straight to the CUDA kernel: the Function's node and output
+// wrapping cost microseconds of host time and would record nothing.
+bool needs_autograd(const at::Tensor& t) {
+  return t.defined() &&
+         ((at::GradMode::is_enabled() && t.requires_grad()) || t._fw_grad(/*level=*/0).defined());
+}
+
+bool needs_autograd(const c10::optional<at::Tensor>& t) {
+  return t.has_value() && needs_autograd(*t);
+}
+
 Outputs forward_autograd(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                          const c10::optional<at::Tensor>& bias, int64_t groups, double eps) {
+  if (!needs_autograd(x) && !needs_autograd(weight) && !needs_autograd(bias)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return operators->forward.call(x, weight, bias, groups, eps);
+  }
   return as_tuple(GroupNormFunction::apply(x, weight, bias, groups, eps));
 }
 
@@ -349,6 +367,13 @@ Outputs forward_fused_autograd(const at::Tensor& x, const c10::optional<at::Tens
                                const c10::optional<at::Tensor>& residual,
                                c10::IntArrayRef activations, double slope,
                                const c10::optional<at::Tensor>& add) {
+  if (!needs_autograd(x) && !needs_autograd(weight) && !needs_autograd(bias) &&
+      !needs_autograd(scale) && !needs_autograd(shift) && !needs_autograd(residual) &&
+      !needs_autograd(add)) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    return operators->forward_fused.call(x, weight, bias, groups, eps, scale, shift, residual,
+                                         activations, slope, add);
+  }
   return as_tuple(FusedGroupNormFunction::apply(x, weight, bias, groups, eps, scale, shift,
                                                 residual, activations, slope, add));
 }
