@@ -17,7 +17,11 @@ rounds:
   autograd kernel records the graph; forward only);
 - compiled: a torch.compile'd function calling group_norm (Dynamo's guards,
   the compiled wrapper, then the operator);
-- torch: torch.group_norm (eager), for scale.
+- torch: torch.group_norm (eager), for scale;
+- aten_neg_operator: torch.ops.aten.neg.default, an operator of one
+  allocation and one launch called the way compiled code calls ours: the
+  floor of any operator on this host;
+- three_allocations: the caching allocator's share of ours (y, mean, rstd).
 """
 
 import argparse
@@ -44,6 +48,7 @@ def contenders(x, w, b, groups):
 
     compiled = torch.compile(lambda t: gn.group_norm(t, groups, w, b), fullgraph=True)
     x_grad = x.clone().requires_grad_()
+    stats = (x.shape[0], groups)  # mean's and rstd's shape
     return {
         "extension": lambda: extension.forward(x, w, b, groups, 1e-5, "auto", 0, 0),
         "operator": lambda: op(x, w, b, groups, 1e-5),
@@ -51,6 +56,9 @@ def contenders(x, w, b, groups):
         "operator_with_grad": lambda: op(x_grad, w, b, groups, 1e-5),
         "compiled": lambda: compiled(x),
         "torch": lambda: torch.group_norm(x, groups, w, b, 1e-5),
+        "aten_neg_operator": lambda: torch.ops.aten.neg.default(x),
+        "three_allocations": lambda: (torch.empty_like(x), torch.empty(stats, device=x.device),
+                                      torch.empty(stats, device=x.device)),
     }
 
 
