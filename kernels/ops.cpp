@@ -258,6 +258,7 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
     // separate add (a pass more).
     std::vector<int64_t> per_channel{c.problem.N, x.size(1)};
     per_channel.resize(size_t(x.dim()), 1);
+    y.reset();  // not the output: its memory goes to s or to the call's y
     return forward_fused(at::add(c.x, epilogue.add.view(per_channel)), weight, bias, groups, eps,
                          kernel, team, lag, scale, shift, residual, activations, slope,
                          c10::nullopt);
