@@ -936,8 +936,9 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     For tests and tuning (forward only, eager only; 0 = automatic):
     `kernel` forces a kernel: "auto", "reference", "registers", "contiguous",
     "channels_last" or "stream" (either layout); `team` the CTAs per unit of
-    the team kernels ("contiguous", "channels_last"); `lag` the stream
-    kernels' lag in pieces.
+    the team kernels ("contiguous", "channels_last") or of the registers
+    kernel (a thread-block cluster when above 1, at most 8); `lag` the
+    stream kernels' lag in pieces.
     """
     _check_return_sum("groupnorm_cuda", return_sum)
     prologue = None if add is None or return_sum else _prologue_add("groupnorm_cuda", x, add)

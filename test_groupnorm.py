@@ -2122,6 +2122,12 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team or lag)
     ((1, 8, 128, 256), 1, torch.float32, "contiguous", "registers", 0),  # 8 ranks of 512: full
     ((2, 64, 40, 50), 2, torch.float32, "channels_last", "registers", 0),
     ((2, 48, 10, 31, 7), 3, torch.float64, "channels_last", "registers", 0),
+    # clusters forced (team=) on groups one CTA could hold: the SD UNet's
+    # 64 groups over 256 CTAs; one CTA forced; more CTAs than a thread's worth
+    ((2, 320, 64, 64), 32, torch.float16, "contiguous", "registers", 4),
+    ((2, 320, 64, 64), 32, torch.float16, "contiguous", "registers", 1),
+    ((2, 1280, 16, 16), 32, torch.float16, "channels_last", "registers", 2),
+    ((3, 60, 31), 5, torch.float16, "contiguous", "registers", 8),
     # the contiguous stream; its normalise items merge their unit's partials
     # themselves ("each") when the lag is short next to the items in flight
     # (test_gpu_forced_stream_covers_both_merges), else wait for one merge
@@ -2155,7 +2161,7 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team or lag)
 def forcing(kernel, n):
     """The forcing argument of a FORCED row's last number: the lag (pieces)
     of the stream kernels, the team (CTAs per unit) of the others (0 there
-    for the reference and registers kernels)."""
+    for the reference kernel; the cluster for the registers kernel)."""
     return {"lag": n} if kernel == "stream" else {"team": n}
 
 
@@ -2172,7 +2178,7 @@ def forced_input(case):
     x = make_input(shape, dtype, layout, "cuda", shift=2.0)
     if kernel == "registers" and torch.cuda.get_device_capability() < (9, 0):
         try:
-            gn.plan(x, groups, kernel=kernel)
+            gn.plan(x, groups, kernel=kernel, **force)
         except RuntimeError:
             pytest.skip("a group larger than one CTA needs thread-block clusters (sm_90+)")
     plan = gn.plan(x, groups, kernel=kernel, **force)
@@ -2192,8 +2198,8 @@ def test_gpu_forced_paths(case):
         lag = plan["lag"]
         assert lag == min(total, max(pieces, n)) if n else pieces <= lag <= total, plan
         assert plan["merge"] in ("each", "once"), plan
-    elif n:
-        assert plan["team"] == n, plan
+    elif n:  # the registers kernel's team is its cluster
+        assert plan["ranks" if kernel == "registers" else "team"] == n, plan
     for _ in range(2):  # fresh weights each time; the result must not depend on timing
         w, b = affine(shape[1], dtype, "cuda", "both")
         check_against_reference(x, groups, w, b, kernel=kernel, **force)
@@ -2601,19 +2607,18 @@ def test_gpu_forced_kernel_errors_name_the_problem():
         (lambda: gn.plan(wide, 1, kernel="stream"), ValueError,
          "the stream kernel for channels-last input needs C / 4 <= 256, got C = 4096"),
         (lambda: gn.plan(small, 2, kernel="channels_last"), ValueError, "does not match the input's layout"),
-        # team= is for the team kernels alone, lag= for the stream kernels alone
+        # team= is for the team and registers kernels alone, lag= for the stream kernels alone
         (lambda: gn.plan(small, 2, kernel="reference", team=2), ValueError,
          "team= sets the CTAs per unit of the team kernels (kernel='contiguous' or "
-         "'channels_last'), not of kernel 'reference'"),
-        (lambda: gn.plan(small, 2, kernel="registers", team=2), ValueError,
-         "team= sets the CTAs per unit of the team kernels (kernel='contiguous' or "
-         "'channels_last'), not of kernel 'registers'"),
+         "'channels_last') or the cluster of the registers kernel, not of kernel 'reference'"),
+        (lambda: gn.plan(small, 2, kernel="registers", team=9), ValueError,
+         "the registers kernel takes at most 8 CTAs a group (team=), got 9"),
         (lambda: gn.plan(small, 2, kernel="stream", team=2), ValueError,
          "team= sets the CTAs per unit of the team kernels (kernel='contiguous' or "
-         "'channels_last'), not of kernel 'stream'"),
+         "'channels_last') or the cluster of the registers kernel, not of kernel 'stream'"),
         (lambda: gn.plan(small, 2, team=2), ValueError,
          "team= sets the CTAs per unit of the team kernels (kernel='contiguous' or "
-         "'channels_last'), not of kernel 'auto'"),
+         "'channels_last') or the cluster of the registers kernel, not of kernel 'auto'"),
         (lambda: gn.plan(small, 2, kernel="contiguous", lag=4), ValueError,
          "lag= sets the stream kernels' lag (kernel='stream'), not that of kernel 'contiguous'"),
         (lambda: gn.plan(small, 2, lag=4), ValueError,
@@ -2622,7 +2627,7 @@ def test_gpu_forced_kernel_errors_name_the_problem():
          "team and lag must be >= 0, got team=-1, lag=0"),
         (lambda: gn.plan(small, 2, kernel="stream", lag=-1), ValueError,
          "team and lag must be >= 0, got team=0, lag=-1"),
-        (lambda: gn.groupnorm_cuda(small, None, None, 2, kernel="registers", team=2), ValueError,
+        (lambda: gn.groupnorm_cuda(small, None, None, 2, kernel="stream", team=2), ValueError,
          "team= sets the CTAs per unit of the team kernels"),
         (lambda: gn.groupnorm_cuda(small, None, None, 2, kernel="contiguous", lag=4), ValueError,
          "lag= sets the stream kernels' lag"),

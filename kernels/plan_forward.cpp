@@ -286,8 +286,10 @@ std::optional<ForwardPlan> stream_channels_last(const Problem& p, bool forced, i
 }
 
 // The registers kernel when a group fits one CTA's registers (or a
-// cluster's), or nothing. Forced, a group that does not fit is an error.
-std::optional<ForwardPlan> registers(const Problem& p, bool forced) {
+// cluster's), or nothing. Forced, a group that does not fit is an error;
+// forced_ranks > 0 sets the CTAs a group (a cluster when above 1), each with
+// threads for about kRegistersFewItems of its vectors.
+std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forced_ranks = 0) {
   const int64_t D = p.D();
   const int64_t L = D * p.HxW;
   const int v = p.channels_last ? widest_vector(p, {p.C, D}) : widest_vector(p, {p.HxW});
@@ -301,7 +303,17 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced) {
       (vectors + kRegistersFewItems * kWarp - 1) / (kRegistersFewItems * kWarp) * kWarp, kWarp,
       kRegistersMaxThreads));
   int64_t ranks = 1;
-  if (vectors > per_cta) {
+  if (forced_ranks > 0) {
+    TORCH_CHECK_VALUE(forced_ranks <= kRegistersMaxRanks,
+                      message("groupnorm: the registers kernel takes at most ", kRegistersMaxRanks,
+                              " CTAs a group (team=), got ", forced_ranks));
+    ranks = forced_ranks;
+    const int64_t per_rank = (vectors + ranks - 1) / ranks;
+    const int64_t few = (per_rank + kRegistersFewItems - 1) / kRegistersFewItems;
+    const int64_t many = (per_rank + kRegistersManyItems - 1) / kRegistersManyItems;
+    threads = int(std::clamp<int64_t>((std::max(few, many) + kWarp - 1) / kWarp * kWarp, kWarp,
+                                      kRegistersMaxThreads));
+  } else if (vectors > per_cta) {
     threads =
         vectors <= int64_t(kRegistersMaxRanks) * kRegistersClusterThreads * kRegistersManyItems
             ? kRegistersClusterThreads
@@ -309,7 +321,8 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced) {
     ranks = (vectors + int64_t(threads) * kRegistersManyItems - 1) /
             (int64_t(threads) * kRegistersManyItems);
   }
-  const bool fits = ranks == 1 || (clusters && ranks <= kRegistersMaxRanks);
+  const bool fits = vectors <= ranks * int64_t(threads) * kRegistersManyItems &&
+                    (ranks == 1 || (clusters && ranks <= kRegistersMaxRanks));
   TORCH_CHECK(fits || !forced,
               message("groupnorm: the registers kernel holds at most ", per_cta,
                       " vectors per group in one CTA, or ", per_cluster,
@@ -366,9 +379,10 @@ void check_request(const Problem& p, const Request& req) {
   TORCH_CHECK_VALUE(
       req.team >= 0 && req.lag >= 0,
       message("groupnorm: team and lag must be >= 0, got team=", req.team, ", lag=", req.lag));
-  TORCH_CHECK_VALUE(req.team == 0 || k == "contiguous" || k == "channels_last",
+  TORCH_CHECK_VALUE(req.team == 0 || k == "contiguous" || k == "channels_last" || k == "registers",
                     message("groupnorm: team= sets the CTAs per unit of the team kernels "
-                            "(kernel='contiguous' or 'channels_last'), not of kernel '",
+                            "(kernel='contiguous' or 'channels_last') or the cluster of the "
+                            "registers kernel, not of kernel '",
                             k, "'"));
   TORCH_CHECK_VALUE(req.lag == 0 || k == "stream",
                     message("groupnorm: lag= sets the stream kernels' lag (kernel='stream'), not "
@@ -405,7 +419,7 @@ ForwardPlan choose_forward(const Problem& p, const Request& req) {
     return reference_plan(p, "C too wide for one thread per column; reference kernel");
   }
   if (req.kernel == "reference") return reference_plan(p, "reference kernel requested");
-  if (req.kernel == "registers") return *registers(p, true);
+  if (req.kernel == "registers") return *registers(p, true, req.team);
   if (req.kernel == "contiguous") return team_contiguous(p, req.team);
   if (req.kernel == "channels_last") return *team_channels_last(p, true, req.team);
   // "stream": the stream kernel of the input's layout.
