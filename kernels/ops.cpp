@@ -133,23 +133,16 @@ bool same_layout(const at::Tensor& a, const at::Tensor& b) {
   return true;
 }
 
-// The kernels read the residual at the offsets they write y at: one of
-// other strides is copied into y's layout first (a pass over it).
-at::Tensor check_residual(const c10::optional<at::Tensor>& t, const at::Tensor& x,
-                          const at::Tensor& y) {
+at::Tensor check_residual(const c10::optional<at::Tensor>& t, const at::Tensor& x) {
   if (!t.has_value() || !t->defined()) return at::Tensor();
   TORCH_CHECK_VALUE(
       t->sizes() == x.sizes(),
       message("groupnorm: residual must have the input's shape ", x.sizes(), ", got ", t->sizes()));
   check_like_input(*t, "residual", x);
-  if (same_layout(*t, y)) return *t;
-  at::Tensor copy = at::empty_like(y);
-  copy.copy_(*t);
-  return copy;
+  return *t;
 }
 
-CheckedEpilogue check_epilogue(const at::Tensor& x, const at::Tensor& y,
-                               const c10::optional<at::Tensor>& scale,
+CheckedEpilogue check_epilogue(const at::Tensor& x, const c10::optional<at::Tensor>& scale,
                                const c10::optional<at::Tensor>& shift,
                                const c10::optional<at::Tensor>& residual,
                                const std::vector<int64_t>& activations, double slope,
@@ -172,7 +165,7 @@ CheckedEpilogue check_epilogue(const at::Tensor& x, const at::Tensor& y,
   e.add = check_modulation(add, "add", x);
   e.scale = check_modulation(scale, "scale", x);
   e.shift = check_modulation(shift, "shift", x);
-  e.residual = check_residual(residual, x, y);
+  e.residual = check_residual(residual, x);
   e.args.C = x.size(1);
   for (auto [tensor, pointer] :
        {std::pair{&e.add, &e.args.add}, std::pair{&e.scale, &e.args.scale},
@@ -236,15 +229,20 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
                                       const c10::optional<at::Tensor>& add) {
   Checked c = check_inputs(x, weight, bias, groups, eps);
   const c10::cuda::CUDAGuard guard(x.device());
+  CheckedEpilogue epilogue = check_epilogue(x, scale, shift, residual, activations, slope, add);
   // c.x is dense (contiguous or channels-last-like), so y gets its exact strides.
-  at::Tensor y = at::empty_like(c.x);
-  at::Tensor mean = at::empty({c.problem.N, groups}, x.options().dtype(acc_dtype(x)));
-  at::Tensor rstd = at::empty({c.problem.N, groups}, x.options().dtype(acc_dtype(x)));
-  const CheckedEpilogue epilogue =
-      check_epilogue(x, y, scale, shift, residual, activations, slope, add);
-  if (x.numel() == 0) return {y, mean, rstd};
-  // The residual is read in the vectors y is written in: they must suit its address too.
-  c.problem.addr |= reinterpret_cast<uintptr_t>(epilogue.args.residual);
+  const auto outputs = [&] {
+    const auto stats = x.options().dtype(acc_dtype(x));
+    return std::vector<at::Tensor>{at::empty_like(c.x), at::empty({c.problem.N, groups}, stats),
+                                   at::empty({c.problem.N, groups}, stats)};
+  };
+  if (x.numel() == 0) return outputs();
+  // The kernels read the residual at the offsets they write y at: one of
+  // other strides is read from a copy in y's (a pass over it, into an
+  // aligned block). Else its vectors must suit its address too.
+  const bool copy_residual =
+      epilogue.residual.defined() && !same_layout(epilogue.residual, c.x);
+  if (!copy_residual) c.problem.addr |= reinterpret_cast<uintptr_t>(epilogue.args.residual);
   c.problem.epilogue = epilogue.args.any();
   const ForwardPlan plan = choose_forward(c.problem, Request{kernel, team, lag});
   const bool team_kernel =
@@ -255,13 +253,18 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
     // items of a piece turn x into s) and team kernels that keep their whole
     // slice on chip (where it turns the kept x into s once); the
     // channels-last stream and team plans that keep less get s by a
-    // separate add (a pass more).
+    // separate add (a pass more), before anything of this call is allocated.
     std::vector<int64_t> per_channel{c.problem.N, x.size(1)};
     per_channel.resize(size_t(x.dim()), 1);
-    y.reset();  // not the output: its memory goes to s or to the call's y
     return forward_fused(at::add(c.x, epilogue.add.view(per_channel)), weight, bias, groups, eps,
                          kernel, team, lag, scale, shift, residual, activations, slope,
                          c10::nullopt);
+  }
+  const std::vector<at::Tensor> out = outputs();
+  const at::Tensor &y = out[0], &mean = out[1], &rstd = out[2];
+  if (copy_residual) {
+    epilogue.residual = at::empty_like(y).copy_(epilogue.residual);
+    epilogue.args.residual = epilogue.residual.data_ptr();
   }
   const cudaStream_t stream = current_stream(x);
   TensorWorkspace workspace(y, stream);
@@ -293,7 +296,7 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
     }
     TORCH_CHECK(false, "groupnorm: the registers kernel was planned with an epilogue");
   });
-  return {y, mean, rstd};
+  return out;
 }
 
 std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
