@@ -1145,36 +1145,42 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
 # Spatially sharded GroupNorm (process_group=)
 # ---------------------------------------------------------------------------
 
-def _local_moments(x, groups, inplace=False):
-    """(count, mean, m2) of each (n, g) of this rank's slab, in float64: the
+def _centred(x, groups):
+    """This rank's slab as [N, G, C / G, elements of a channel], minus each
+    group's first value, in float (double for float64 x), and that first
+    value [N, G] in float64: x - first is exact near it, so a float32 mean of
+    1000 + randn keeps its last digits (as the kernels centre). One pass
+    over the slab; a view of it for contiguous and channels-last slabs."""
+    view = _group_view(x, groups)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if view.numel() == 0:  # an empty slab (or N = 0): nothing to centre on
+        return (view.new_empty(view.shape, dtype=wide),
+                view.new_zeros(view.shape[:2], dtype=torch.float64))
+    first = view[:, :, :1, :1].to(wide)
+    return view - first, first[:, :, 0, 0].double()
+
+
+def _local_moments(centred, first):
+    """(count, mean, m2) of each (n, g) of the centred slab, in float64: the
     element count, the mean and the sum of squared deviations from it (zero
-    for an empty slab). inplace: centred in the float copy's memory where
-    there is one (not for autograd or tracing)."""
-    N = x.shape[0]
-    values = _group_view(x, groups).flatten(2)
-    count = values.shape[-1]
+    for an empty slab)."""
+    count = centred.shape[2] * centred.shape[3]
     if count == 0:
-        zeros = x.new_zeros((N, groups), dtype=torch.float64)
+        zeros = torch.zeros_like(first)
         return zeros, zeros, zeros
-    wide = values.double() if x.dtype == torch.float64 else values.float()
-    # about the group's first value, as the kernels: x - first is exact near
-    # it, so a float32 mean of 1000 + randn keeps its last digits
-    first = wide[..., :1].clone()
-    centred = wide.sub_(first) if inplace and _fresh(wide, x) else wide - first
-    var, mean = torch.var_mean(centred, dim=-1, correction=0)
-    return (torch.full_like(mean, count, dtype=torch.float64),
-            first.squeeze(-1).double() + mean.double(), var.double() * count)
+    var, mean = torch.var_mean(centred, dim=(2, 3), correction=0)
+    return (torch.full_like(first, count), first + mean.double(), var.double() * count)
 
 
-def _merged_moments(x, groups, process_group, differentiable=False):
+def _merged_moments(centred, first, process_group, differentiable=False):
     """mean, variance and element count of each (n, g) over every rank's slab: one all-gather
     of (count, mean, m2), merged exactly in float64 (Chan et al.): m2 = sum
     of m2_i + n_i (mean_i - mean)^2, so slabs of very different means lose
     nothing. differentiable: by the all-gather that autograd goes back
-    through (a reduce-scatter in the backward), and no work in place."""
+    through (a reduce-scatter in the backward)."""
     from torch.distributed import _functional_collectives as collectives
 
-    local = torch.stack(_local_moments(x, groups, inplace=not differentiable))  # [3, N, G]
+    local = torch.stack(_local_moments(centred, first))  # [3, N, G]
     # functional (traceable by torch.compile): [ranks * 3, N, G], rank by rank
     # all_gather_single is all_gather_tensor's name from torch 2.14 (the old
     # name warns there)
@@ -1188,9 +1194,47 @@ def _merged_moments(x, groups, process_group, differentiable=False):
     return merged_mean, merged_m2 / total, total
 
 
+def _normalising_terms(centred, first, mean, rstd, weight=None, bias=None):
+    """a and c, [N, G, C / G, 1] in centred's dtype, with centred * a + c =
+    (x - mean) * rstd * weight + bias: a = rstd * weight, c = bias - (mean -
+    first) * a, formed in float64 from the [N, G] statistics. (mean - first)
+    is a few deviations at most, so c keeps its digits in float32."""
+    N, G, D = centred.shape[:3]
+    a = _per_group(rstd)
+    if weight is not None:
+        a = a * weight.reshape(1, G, D, 1).double()
+    c = _per_group(first - mean) * a
+    if bias is not None:
+        c = c + bias.reshape(1, G, D, 1).double()
+    return a.to(centred.dtype), c.to(centred.dtype)
+
+
+def _group_shape(x, groups):
+    return x.shape[0], groups, x.shape[1] // groups, math.prod(x.shape[2:])
+
+
 def _group_view(x, groups):
-    """x as [N, G, C / G, elements of a channel] (reshape: a copy unless contiguous)."""
-    return x.reshape(x.shape[0], groups, x.shape[1] // groups, math.prod(x.shape[2:]))
+    """x as [N, G, C / G, elements of a channel]: a view of contiguous and
+    channels-last tensors (the spatial dims merge, C splits), else a copy."""
+    return x.reshape(_group_shape(x, groups))
+
+
+def _addcmul_like(x, groups, temporary, base, tensor1, tensor2):
+    """base + tensor1 * tensor2 (group-shaped [N, G, C / G, S], computed in
+    float) as a tensor of x's shape and dtype, in one pass: written over
+    `temporary` (a float temporary among the operands) where that has x's
+    dtype, else into a new tensor in x's memory format where its group view
+    is a view (contiguous, channels-last), else contiguous."""
+    if temporary.dtype == x.dtype:
+        return torch.addcmul(base, tensor1, tensor2, out=temporary).reshape(x.shape)
+    y = torch.empty_like(x)
+    try:
+        y_groups = y.view(_group_shape(x, groups))
+    except RuntimeError:  # strides no view spans (a permuted x)
+        y = torch.empty_like(x, memory_format=torch.contiguous_format)
+        y_groups = y.view(_group_shape(x, groups))
+    torch.addcmul(base, tensor1, tensor2, out=y_groups)
+    return y
 
 
 def _check_process_group(process_group):
@@ -1210,27 +1254,10 @@ def _sharded_traced(x, weight, bias, groups, eps, process_group):
     functional collective wrongly (the collective moves into the forward
     graph, fed zeros for dy: every gradient off). Here autograd goes back
     through the all-gather itself; Inductor picks what to save."""
-    mean, var, _ = _merged_moments(x, groups, process_group, differentiable=True)
-    return _affine(_normalised(x, groups, mean, (var + eps).rsqrt()), weight, bias).to(x.dtype)
-
-
-def _affine(y, weight, bias, inplace=False):
-    """y * weight + bias per channel (either absent), in y's dtype; in y's
-    memory with inplace."""
-    shape = (1, y.shape[1]) + (1,) * (y.dim() - 2)
-    if weight is not None:
-        w = weight.reshape(shape).to(y.dtype)
-        y = y.mul_(w) if inplace else y * w
-    if bias is not None:
-        b = bias.reshape(shape).to(y.dtype)
-        y = y.add_(b) if inplace else y + b
-    return y
-
-
-def _fresh(t, source):
-    """Whether t has memory of its own, not source's: in-place ops on it
-    leave the caller's tensors alone."""
-    return t.untyped_storage().data_ptr() != source.untyped_storage().data_ptr()
+    centred, first = _centred(x, groups)
+    mean, var, _ = _merged_moments(centred, first, process_group, differentiable=True)
+    a, c = _normalising_terms(centred, first, mean, (var + eps).rsqrt(), weight, bias)
+    return torch.addcmul(c, centred, a).reshape(x.shape).to(x.dtype)
 
 
 class _ShardedGroupNorm(torch.autograd.Function):
@@ -1243,20 +1270,22 @@ class _ShardedGroupNorm(torch.autograd.Function):
     data-parallel gradient (DDP does). torch ops in float (double for
     float64), on any device the group's backend serves (gloo: CPU, NCCL:
     CUDA): exact, not yet this module's kernels. The collectives are
-    torch's functional ones, which torch.compile traces. Outside autograd's
-    view (this class's forward and backward), the full-size float
-    temporaries are worked on in place: a slab too large for one device
-    should not need several float copies of itself."""
+    torch's functional ones, which torch.compile traces. The slab is centred
+    once into one float temporary, and the output (dx) is written by one
+    addcmul in x's dtype: a slab too large for one device should not need
+    several float copies of itself, nor many passes."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, process_group):
-        mean, var, count = _merged_moments(x, groups, process_group)
+        centred, first = _centred(x, groups)
+        mean, var, count = _merged_moments(centred, first, process_group)
         rstd = (var + eps).rsqrt()
-        y = _affine(_normalised(x, groups, mean, rstd, inplace=True), weight, bias, inplace=True)
+        a, c = _normalising_terms(centred, first, mean, rstd, weight, bias)
+        y = _addcmul_like(x, groups, centred, c, centred, a)
         ctx.save_for_backward(x, weight, mean, rstd, count)
         ctx.groups, ctx.process_group = groups, process_group
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -1271,22 +1300,31 @@ class _ShardedGroupNorm(torch.autograd.Function):
 
         x, weight, mean, rstd, count = ctx.saved_tensors
         groups, C = ctx.groups, x.shape[1]
-        xhat = _group_view(_normalised(x, groups, mean, rstd, inplace=True), groups)
-        dyv = _group_view(dy, groups).to(xhat.dtype)
-        g = dyv if weight is None else dyv * weight.reshape(1, groups, C // groups, 1).to(xhat.dtype)
-        # sums of g and g * xhat per (n, g) over the whole tensor: one all-reduce
-        sums = collectives.all_reduce(torch.stack([g.sum((2, 3)), (g * xhat).sum((2, 3))]).double(),
-                                      "sum", ctx.process_group)
-        mean_g, mean_gx = (_per_group(t / count).to(xhat.dtype) for t in sums.unbind(0))
+        centred, first = _centred(x, groups)  # a tensor of its own
+        a, c = _normalising_terms(centred, first, mean, rstd)
+        xhat = torch.addcmul(c, centred, a, out=centred)
+        wide, dyv = xhat.dtype, _group_view(dy, groups)
+        # this slab's sums of dy and dy * xhat per (n, channel): the shares of
+        # dbias and dweight, and, weighted, of the per-(n, g) sums dx needs
+        dy_sums, dy_xhat_sums = dyv.sum(3, dtype=wide), (dyv * xhat).sum(3)  # [N, G, C / G]
+        w = weight.reshape(1, groups, C // groups).to(wide) if weight is not None else None
+        g_sums = [t if w is None else t * w for t in (dy_sums, dy_xhat_sums)]
+        # over the whole tensor: one all-reduce
+        sums = collectives.all_reduce(torch.stack([t.sum(2) for t in g_sums]).double(), "sum",
+                                      ctx.process_group)
+        mean_g, mean_gx = (t / count for t in sums.unbind(0))  # float64 [N, G]
         dweight = dbias = None
         if weight is not None and ctx.needs_input_grad[1]:
-            dweight = (dyv * xhat).sum((0, 3)).reshape(C).to(weight.dtype)
+            dweight = dy_xhat_sums.sum(0).reshape(C).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            dbias = dyv.sum((0, 3)).reshape(C).to(ctx.bias_dtype)
-        # dx = (g - mean_g - xhat * mean_gx) * rstd, in g's memory unless g is dy's
-        dx = g.sub_(mean_g) if _fresh(g, dy) else g - mean_g
-        dx = dx.sub_(xhat.mul_(mean_gx)).mul_(_per_group(rstd).to(xhat.dtype))
-        return dx.reshape(x.shape).to(x.dtype), dweight, dbias
+            dbias = dy_sums.sum(0).reshape(C).to(ctx.bias_dtype)
+        # dx = (w dy - mean_g - xhat mean_gx) rstd: xhat's terms in xhat's
+        # memory, then dy's in one pass into dx, in x's dtype
+        dy_scale = _per_group(rstd) if w is None else _per_group(rstd) * w[..., None].double()
+        minus_rstd = -rstd
+        terms = torch.addcmul(_per_group(mean_g * minus_rstd).to(wide), xhat,
+                              _per_group(mean_gx * minus_rstd).to(wide), out=xhat)
+        return _addcmul_like(x, groups, terms, terms, dyv, dy_scale.to(wide)), dweight, dbias
 
 
 def _refusing_double_backward(grads, *sources):
@@ -1307,23 +1345,6 @@ _NO_DOUBLE_BACKWARD = ("groupnorm_inline: double backward (gradients of gradient
 def _per_group(t):
     """[N, G] values shaped to broadcast over a [N, G, C / G, S] view."""
     return t[:, :, None, None]
-
-
-def _normalised(x, groups, mean, rstd, inplace=False):
-    """(x - mean) * rstd per group, in float (double for float64 x), x's shape;
-    with inplace, one tensor of its own, worked on in place (not for autograd).
-    The float64 mean goes in two parts, its float value and the rest: x minus
-    the first is exact near it, so centring loses nothing to the mean's
-    rounding."""
-    view = _group_view(x, groups)
-    wide = view.double() if x.dtype == torch.float64 else view.float()
-    high = mean.to(wide.dtype)
-    low = _per_group((mean - high.double()).to(wide.dtype))
-    high, rstd = _per_group(high), _per_group(rstd.to(wide.dtype))
-    if not inplace:
-        return ((wide - high - low) * rstd).reshape(x.shape)
-    centred = wide.sub_(high) if _fresh(wide, x) else wide - high
-    return centred.sub_(low).mul_(rstd).reshape(x.shape)
 
 
 def _autocast_float32(t):

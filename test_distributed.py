@@ -36,6 +36,23 @@ CASES = [
 ]
 
 
+# (case, layout of the slab): the output keeps a contiguous or channels-last
+# layout, and comes contiguous from one whose group view is not a view
+LAYOUT_CASES = [
+    (((2, 8, 10, 7), 4, 2, (3, 7), torch.bfloat16, 0.0), "channels_last"),
+    (((3, 8, 12, 4), 2, 3, (1, 3), torch.float32, 1000.0), "channels_last"),
+    (((2, 8, 10, 7), 4, 2, (6, 4), torch.float32, 0.0), "spatial dims swapped"),
+]
+
+
+def _laid_out(t, layout):
+    if layout == "channels_last":
+        return t.to(memory_format=torch.channels_last)
+    if layout == "spatial dims swapped":  # dense, W outside H in memory
+        return t.transpose(2, 3).contiguous().transpose(2, 3)
+    return t
+
+
 def _slabs(full, axis, shares):
     return torch.split(full, list(shares), dim=axis)
 
@@ -51,6 +68,8 @@ def _worker(rank, store_path, backend="gloo"):
     try:
         for case in CASES:
             _check_case(rank, *case, device=device)
+        for case, layout in LAYOUT_CASES:
+            _check_case(rank, *case, device=device, layout=layout)
         if device.type == "cuda":
             _check_cuda_graph(rank, device)
         if device.type == "cpu":
@@ -78,7 +97,7 @@ def _random_case(rng, world):
             rng.choice([0.0, 1000.0]))
 
 
-def _check_case(rank, shape, groups, axis, shares, dtype, shift, device):
+def _check_case(rank, shape, groups, axis, shares, dtype, shift, device, layout="contiguous"):
     generator = torch.Generator().manual_seed(len(shape) * 100 + shape[1])
     full = torch.randn(shape, generator=generator, dtype=torch.float64)
     full.narrow(axis, 0, shares[0]).add_(shift)  # rank 0's slab far from rank 1's
@@ -93,12 +112,14 @@ def _check_case(rank, shape, groups, axis, shares, dtype, shift, device):
     ref = F.group_norm(x64, groups, w64, b64, 1e-5)
     ref.backward(dy_full)
     # this rank's slab, in the case's dtype
-    x = _slabs(full, axis, shares)[rank].to(device, dtype).requires_grad_()
+    x = _laid_out(_slabs(full, axis, shares)[rank].to(device, dtype), layout).requires_grad_()
     w, b = (t.to(device, dtype).requires_grad_() for t in (weight, bias))
     dy = _slabs(dy_full, axis, shares)[rank].to(device, dtype)
     kept = [t.detach().clone() for t in (x, w, b, dy)]
     y = gn.group_norm(x, groups, w, b, 1e-5, process_group=dist.group.WORLD)
     assert y.shape == x.shape and y.dtype == dtype and y.device == device
+    kept_layout = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    assert y.is_contiguous(memory_format=kept_layout), (layout, y.stride())
     y.backward(dy)
     tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}[dtype]
     if x.numel():  # relative to the largest value (at least 1)
