@@ -2,7 +2,8 @@
 plain GroupNorm on the same input, and against torch.compile of the unfused
 torch sequence (GroupNorm then the activation), which Inductor fuses itself.
 
-    python benchmarks/bench_epilogue.py [--quick] [--rounds 3] [--no-compile] [--json PATH]
+    python benchmarks/bench_epilogue.py [--quick] [--rounds 3] [--no-compile] [--backward]
+                                        [--json PATH]
 
 One process, one GPU, the benchmark suite's forward rows. Per row the
 contenders alternate for --rounds rounds; each time is a median of
@@ -13,6 +14,12 @@ Reported: each contender's median over rounds, each epilogue's time over
 plain (the issue's line: at most 1.05 for an activation, 1.08 for
 scale-shift-SiLU and for an (N, C) add before the norm with SiLU after),
 and torch.compile's SiLU time over ours (above 1 is ours faster).
+
+--backward times the backward alone instead (gradients of the input,
+weight, bias, and of scale and shift where a form takes them), as
+bench_groupnorm.py --training does: each input's backward captured in a
+CUDA graph and replayed; the issue's line: at most 1.10 of the plain
+backward on the same input.
 """
 
 import argparse
@@ -31,7 +38,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import groupnorm_inline as gn  # noqa: E402
 from ab_compare import graph_ms  # noqa: E402
-from bench_groupnorm import QUICK, SUITE, make_inputs, rotating  # noqa: E402
+from bench_groupnorm import QUICK, SUITE, backward_alone_ms, make_inputs, rotating  # noqa: E402
 
 GRAPH_BELOW_MS = 0.05
 
@@ -84,11 +91,35 @@ def run_row(name, shape, groups, dtype, layout, rounds, compile_too, budget):
             "ms": ms, "rounds": times}
 
 
+def run_backward_row(name, shape, groups, dtype, layout, rounds, budget):
+    """The backward alone of plain and each epilogue, alternating for
+    `rounds` rounds (each a fresh capture)."""
+    inputs = make_inputs(shape, dtype, layout, budget // 3)
+    C, N = shape[1], shape[0]
+    w, b = (torch.randn(C, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    scale, shift = (0.1 * torch.randn(N, C, device="cuda", dtype=dtype) for _ in range(2))
+    scale.requires_grad_(), shift.requires_grad_()
+    xs = [t.requires_grad_() for t in inputs]
+    dy = torch.randn_like(xs[0])
+    fns = contenders(groups, w, b, scale, shift, compile_too=False)
+    times = {}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            times.setdefault(key, []).append(backward_alone_ms(fn, xs, (w, b, scale, shift), dy))
+    del inputs, xs
+    torch.cuda.empty_cache()
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    return {"name": name, "shape": list(shape), "G": groups, "dtype": str(dtype)[6:], "layout": layout,
+            "pass": "backward", "ms": ms, "rounds": times}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the suite's quick rows only")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile's SiLU")
+    parser.add_argument("--backward", action="store_true",
+                        help="time the backward alone (no torch.compile contender)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     budget = torch.cuda.get_device_properties(0).total_memory // 4
@@ -99,7 +130,8 @@ def main(argv=None):
     for case in SUITE:
         if args.quick and case[0] not in QUICK:
             continue
-        row = run_row(*case, args.rounds, not args.no_compile, budget)
+        row = (run_backward_row(*case, args.rounds, budget) if args.backward else
+               run_row(*case, args.rounds, not args.no_compile, budget))
         rows.append(row)
         ms = row["ms"]
         key = f"{row['name']} {'x'.join(map(str, row['shape']))} {row['dtype']} {row['layout']}"
@@ -115,7 +147,8 @@ def main(argv=None):
         print(f"silu vs torch.compile: slowest row {min(speedups):.2f}x, geomean {geomean:.2f}x")
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "cuda": torch.version.cuda, "rounds": args.rounds}
+                "cuda": torch.version.cuda, "rounds": args.rounds,
+                "pass": "backward" if args.backward else "forward"}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0

@@ -192,6 +192,40 @@ def run_case(name, shape, groups, dtype, layout, copy_bw, budget):
     }
 
 
+def backward_alone_ms(fn, xs, wanted, dy):
+    """The backward alone of fn (input -> output), as GPU time, over the
+    inputs xs (requiring grad) and the tensors `wanted` (gradients taken for
+    those fn uses): each input's autograd graph is recorded once (forward on
+    a side stream, so that its backward runs there too) and its backward
+    captured in a CUDA graph, then the CUDA graphs are replayed. Timed
+    through autograd instead, a backward of 0.1 ms came out 0.09-0.14 ms
+    from run to run, as the host's autograd call (about 0.2 ms on the H100
+    host of run AG) outlasted do_bench's cache flush by more or less."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+
+    def grads(t, y):
+        return torch.autograd.grad(y, (t, *wanted), dy, retain_graph=True, allow_unused=True)
+
+    try:
+        with torch.cuda.stream(side):
+            ys = {id(t): fn(t) for t in xs}
+            for _ in range(2):  # warm-up outside capture (allocator, lazy init)
+                grads(xs[0], ys[id(xs[0])])
+        graphs = []
+        for t in xs:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=side):
+                grads(t, ys[id(t)])
+            graphs.append(graph)
+        torch.cuda.current_stream().wait_stream(side)
+        return median_ms(rotating(lambda graph: graph.replay(), graphs))
+    except RuntimeError as error:  # a provider whose backward cannot be captured: no number
+        print(f"backward alone not measurable: {str(error).splitlines()[0]}")
+        torch.cuda.synchronize()
+        return float("nan")
+
+
 def run_training_case(name, shape, groups, dtype, layout, copy_bw, budget):
     """Forward + backward (dx, dweight, dbias) per provider. Floor: x read and
     y written by the forward, x and dy read and dx written by the backward."""
@@ -206,32 +240,7 @@ def run_training_case(name, shape, groups, dtype, layout, copy_bw, budget):
         return rotating(lambda t: torch.autograd.grad(fn(t), (t, w, b), dy), xs)
 
     def backward_only(fn):
-        """The backward alone, as GPU time: each input's autograd graph is
-        recorded once (forward on a side stream, so that its backward runs
-        there too) and its backward captured in a CUDA graph, then the CUDA
-        graphs are replayed. Timed through autograd instead, a backward of
-        0.1 ms came out 0.09-0.14 ms from run to run, as the host's autograd
-        call (about 0.2 ms on the H100 host of run AG) outlasted do_bench's
-        cache flush by more or less."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(side):
-                ys = {id(t): fn(t) for t in xs}
-                for _ in range(2):  # warm-up outside capture (allocator, lazy init)
-                    torch.autograd.grad(ys[id(xs[0])], (xs[0], w, b), dy, retain_graph=True)
-            graphs = []
-            for t in xs:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, stream=side):
-                    torch.autograd.grad(ys[id(t)], (t, w, b), dy, retain_graph=True)
-                graphs.append(graph)
-            torch.cuda.current_stream().wait_stream(side)
-            return median_ms(rotating(lambda graph: graph.replay(), graphs))
-        except RuntimeError as error:  # a provider whose backward cannot be captured: no number
-            print(f"backward alone not measurable: {str(error).splitlines()[0]}")
-            torch.cuda.synchronize()
-            return float("nan")
+        return backward_alone_ms(fn, xs, (w, b), dy)
 
     def compiled():
         torch._dynamo.reset()
