@@ -1154,9 +1154,11 @@ def _centred(x, groups):
     view = _group_view(x, groups)
     wide = torch.float64 if x.dtype == torch.float64 else torch.float32
     if view.numel() == 0:  # an empty slab (or N = 0): nothing to centre on
-        return (view.new_empty(view.shape, dtype=wide),
+        return (view.to(wide, copy=True),  # in autograd's graph, as every rank's slab
                 view.new_zeros(view.shape[:2], dtype=torch.float64))
-    first = view[:, :, :1, :1].to(wide)
+    # detached: y does not depend on the shift, and a gradient through it
+    # would cancel in float32 at each group's first element
+    first = view[:, :, :1, :1].detach().to(wide)
     return view - first, first[:, :, 0, 0].double()
 
 
@@ -1165,8 +1167,8 @@ def _local_moments(centred, first):
     element count, the mean and the sum of squared deviations from it (zero
     for an empty slab)."""
     count = centred.shape[2] * centred.shape[3]
-    if count == 0:
-        zeros = torch.zeros_like(first)
+    if count == 0:  # zeros in autograd's graph: every rank's backward runs the collective
+        zeros = centred.sum((2, 3), dtype=torch.float64)
         return zeros, zeros, zeros
     var, mean = torch.var_mean(centred, dim=(2, 3), correction=0)
     return (torch.full_like(first, count), first + mean.double(), var.double() * count)

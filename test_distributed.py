@@ -201,23 +201,34 @@ def _check_modules(rank):
 
 def _check_compiled(rank):
     # torch.compile with fullgraph=True traces the functional collectives of
-    # the forward and of the backward: the same slab values and gradients
+    # the forward and of the backward: the same slab values and gradients,
+    # also where one rank's slab is empty (its backward must still run the
+    # collective the other rank waits in)
     generator = torch.Generator().manual_seed(11)
     full = torch.randn(2, 8, 10, 6, generator=generator, dtype=torch.float64)
     full[:, :, :3] += 100  # rank 0's slab far from rank 1's
     weight, bias, dy = (torch.randn(*shape, generator=generator, dtype=torch.float64)
                         for shape in ((8,), (8,), full.shape))
+    w64, b64 = weight.clone().requires_grad_(), bias.clone().requires_grad_()
     x64 = full.clone().requires_grad_()
-    ref = F.silu(F.group_norm(x64, 4, weight, bias))
+    ref = F.silu(F.group_norm(x64, 4, w64, b64))
     ref.backward(dy)
-    x = _slabs(full, 2, (3, 7))[rank].clone().requires_grad_()
-    compiled = torch.compile(lambda t: gn.group_norm(t, 4, weight, bias, activation="silu",
-                                                     process_group=dist.group.WORLD),
-                             fullgraph=True)
-    y = compiled(x)
-    y.backward(_slabs(dy, 2, (3, 7))[rank])
-    torch.testing.assert_close(y, _slabs(ref.detach(), 2, (3, 7))[rank], rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(x.grad, _slabs(x64.grad, 2, (3, 7))[rank], rtol=1e-9, atol=1e-9)
+    for shares in ((3, 7), (0, 10)):
+        x = _slabs(full, 2, shares)[rank].clone().requires_grad_()
+        w, b = weight.clone().requires_grad_(), bias.clone().requires_grad_()
+        compiled = torch.compile(lambda t: gn.group_norm(t, 4, w, b, activation="silu",
+                                                         process_group=dist.group.WORLD),
+                                 fullgraph=True)
+        y = compiled(x)
+        y.backward(_slabs(dy, 2, shares)[rank])
+        torch.testing.assert_close(y, _slabs(ref.detach(), 2, shares)[rank], rtol=1e-10,
+                                   atol=1e-10)
+        torch.testing.assert_close(x.grad, _slabs(x64.grad, 2, shares)[rank], rtol=1e-9,
+                                   atol=1e-9)
+        for mine, whole in ((w.grad, w64.grad), (b.grad, b64.grad)):  # each rank's share
+            total = mine.clone()
+            dist.all_reduce(total)
+            torch.testing.assert_close(total, whole, rtol=1e-9, atol=1e-9)
 
 
 def _check_refusals():
