@@ -299,20 +299,19 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
   const bool clusters = p.dev->clusters;
   // Threads for about kRegistersFewItems vectors each: more loads in flight
   // at once, which a latency-bound launch needs.
-  int threads = int(std::clamp<int64_t>(
-      (vectors + kRegistersFewItems * kWarp - 1) / (kRegistersFewItems * kWarp) * kWarp, kWarp,
-      kRegistersMaxThreads));
+  const auto few_items_threads = [](int64_t n) {
+    return int(std::clamp<int64_t>(
+        (n + kRegistersFewItems * kWarp - 1) / (kRegistersFewItems * kWarp) * kWarp, kWarp,
+        kRegistersMaxThreads));
+  };
+  int threads = few_items_threads(vectors);
   int64_t ranks = 1;
   if (forced_ranks > 0) {
     TORCH_CHECK_VALUE(forced_ranks <= kRegistersMaxRanks,
                       message("groupnorm: the registers kernel takes at most ", kRegistersMaxRanks,
                               " CTAs a group (team=), got ", forced_ranks));
     ranks = forced_ranks;
-    const int64_t per_rank = (vectors + ranks - 1) / ranks;
-    const int64_t few = (per_rank + kRegistersFewItems - 1) / kRegistersFewItems;
-    const int64_t many = (per_rank + kRegistersManyItems - 1) / kRegistersManyItems;
-    threads = int(std::clamp<int64_t>((std::max(few, many) + kWarp - 1) / kWarp * kWarp, kWarp,
-                                      kRegistersMaxThreads));
+    threads = few_items_threads((vectors + ranks - 1) / ranks);
   } else if (vectors > per_cta) {
     threads =
         vectors <= int64_t(kRegistersMaxRanks) * kRegistersClusterThreads * kRegistersManyItems
