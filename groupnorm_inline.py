@@ -1174,21 +1174,25 @@ def _local_moments(centred, first):
     return (torch.full_like(first, count), first + mean.double(), var.double() * count)
 
 
-def _merged_moments(centred, first, process_group, differentiable=False):
+def _merged_moments(centred, first, process_group, traced=False):
     """mean, variance and element count of each (n, g) over every rank's slab: one all-gather
     of (count, mean, m2), merged exactly in float64 (Chan et al.): m2 = sum
     of m2_i + n_i (mean_i - mean)^2, so slabs of very different means lose
-    nothing. differentiable: by the all-gather that autograd goes back
-    through (a reduce-scatter in the backward)."""
+    nothing. traced (torch.compile): by the functional all-gather that
+    autograd goes back through (a reduce-scatter in the backward); eager:
+    by c10d's in-place one, whose result is a plain tensor (the functional
+    one's is a Python subclass that doubled the call's host time)."""
+    import torch.distributed as dist
     from torch.distributed import _functional_collectives as collectives
 
     local = torch.stack(_local_moments(centred, first))  # [3, N, G]
-    # functional (traceable by torch.compile): [ranks * 3, N, G], rank by rank
-    # all_gather_single is all_gather_tensor's name from torch 2.14 (the old
-    # name warns there)
-    gather = (collectives.all_gather_tensor_autograd if differentiable else
-              getattr(collectives, "all_gather_single", collectives.all_gather_tensor))
-    gathered = gather(local.contiguous(), 0, process_group)
+    if traced:  # [ranks * 3, N, G], rank by rank
+        gathered = collectives.all_gather_tensor_autograd(local.contiguous(), 0, process_group)
+    else:
+        gathered = local.new_empty((dist.get_world_size(process_group) * 3, *local.shape[1:]))
+        # all_gather_single is all_gather_into_tensor's name from torch 2.14 (the old one warns)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        gather(gathered, local.contiguous(), group=process_group)
     count, mean, m2 = gathered.reshape(-1, *local.shape).unbind(1)  # each [ranks, N, G]
     total = count.sum(0)
     merged_mean = (count * mean).sum(0) / total
@@ -1257,7 +1261,7 @@ def _sharded_traced(x, weight, bias, groups, eps, process_group):
     graph, fed zeros for dy: every gradient off). Here autograd goes back
     through the all-gather itself; Inductor picks what to save."""
     centred, first = _centred(x, groups)
-    mean, var, _ = _merged_moments(centred, first, process_group, differentiable=True)
+    mean, var, _ = _merged_moments(centred, first, process_group, traced=True)
     a, c = _normalising_terms(centred, first, mean, (var + eps).rsqrt(), weight, bias)
     return torch.addcmul(c, centred, a).reshape(x.shape).to(x.dtype)
 
@@ -1272,7 +1276,8 @@ class _ShardedGroupNorm(torch.autograd.Function):
     data-parallel gradient (DDP does). torch ops in float (double for
     float64), on any device the group's backend serves (gloo: CPU, NCCL:
     CUDA): exact, not yet this module's kernels. The collectives are
-    torch's functional ones, which torch.compile traces. The slab is centred
+    c10d's in-place ones (torch.compile takes _sharded_traced, with
+    functional ones). The slab is centred
     once into one float temporary, and the output (dx) is written by one
     addcmul in x's dtype: a slab too large for one device should not need
     several float copies of itself, nor many passes."""
@@ -1298,7 +1303,7 @@ class _ShardedGroupNorm(torch.autograd.Function):
 
     @staticmethod
     def _gradients(ctx, dy):
-        from torch.distributed import _functional_collectives as collectives
+        import torch.distributed as dist
 
         x, weight, mean, rstd, count = ctx.saved_tensors
         groups, C = ctx.groups, x.shape[1]
@@ -1312,8 +1317,8 @@ class _ShardedGroupNorm(torch.autograd.Function):
         w = weight.reshape(1, groups, C // groups).to(wide) if weight is not None else None
         g_sums = [t if w is None else t * w for t in (dy_sums, dy_xhat_sums)]
         # over the whole tensor: one all-reduce
-        sums = collectives.all_reduce(torch.stack([t.sum(2) for t in g_sums]).double(), "sum",
-                                      ctx.process_group)
+        sums = torch.stack([t.sum(2) for t in g_sums]).double()
+        dist.all_reduce(sums, group=ctx.process_group)
         mean_g, mean_gx = (t / count for t in sums.unbind(0))  # float64 [N, G]
         dweight = dbias = None
         if weight is not None and ctx.needs_input_grad[1]:
