@@ -123,7 +123,8 @@ _LEVEL2_92 = """
             y = torch.tanh(y)
             return x + y * (y + 3).clamp(0, 6) / 6
         return _extension.forward_fused(x, self.weight, self.bias, self.num_groups, self.eps,
-                                        "auto", 0, 0, None, None, x, [TANH, HARDSWISH], 0.01)[0]
+                                        "auto", 0, 0, None, None, x, [TANH, HARDSWISH], 0.01,
+                                        None)[0]  # no add: load_inline's binding has no defaults
 
 
 TANH, HARDSWISH = {tanh}, {hardswish}  # the kernels' activation codes (activation.h)

@@ -735,8 +735,9 @@ def test_kernelbench_92_solution_contract_on_cpu(monkeypatch):
     calls = []
 
     class Extension:
+        # every argument required, as in load_inline's binding
         def forward_fused(self, x, weight, bias, groups, eps, kernel, team, lag, scale, shift,
-                          residual, activations, slope, add=None):
+                          residual, activations, slope, add):
             calls.append((kernel, team, lag, scale, shift, residual is x, activations))
             y = torch.tanh(F.group_norm(torch.Tensor(x), groups, weight, bias, eps))
             return torch.Tensor(residual) + F.hardswish(y), None, None
@@ -775,6 +776,9 @@ def test_kernelbench_92_solution_contract_on_cpu(monkeypatch):
     torch.testing.assert_close(torch.Tensor(y), expected, rtol=1e-6, atol=1e-6)
     codes = [gn._ACTIVATION_CODES["tanh"], gn._ACTIVATION_CODES["hardswish"]]
     assert calls == [("auto", 0, 0, None, None, True, codes)]
+    # the stand-in takes what ops.h declares: the bundle passes every argument
+    declared = re.search(r"forward_fused\(([^;]*)\);", gn._read_source("ops.h")).group(1)
+    assert declared.count(",") + 1 == len(inspect.signature(Extension.forward_fused).parameters) - 1
 
 
 def test_kernelbench_solution_contract_on_cpu(monkeypatch):
@@ -1430,8 +1434,9 @@ def fake_fused_extension(monkeypatch):
             calls.append(("forward", kernel, team, lag))
             return torch.Tensor.clone(x), None, None
 
+        # every argument required, as in load_inline's binding
         def forward_fused(self, x, weight, bias, groups, eps, kernel, team, lag, scale, shift,
-                          residual, activations, slope, add=None):
+                          residual, activations, slope, add):
             calls.append(("forward_fused", kernel, team, lag, scale, shift, residual, activations,
                           slope))
             return torch.Tensor.clone(x), None, None
