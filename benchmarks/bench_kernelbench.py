@@ -1,0 +1,108 @@
+"""KernelBench solutions (`bundle --kernelbench`) against their reference
+models: eager, torch.compile'd, and the solution's ModelNew, on the
+problem's inputs, one GPU.
+
+    python benchmarks/bench_kernelbench.py [--problems level1-35 level2-92] [--rounds 5]
+                                           [--json PATH]
+
+Each problem's bundle is written to a temporary file and run as KernelBench
+runs it (exec of its text, which builds its own extension the first time).
+The references are the test suite's (the problems' own code), given random
+affine parameters and loaded into ModelNew. The contenders alternate for
+--rounds rounds; each time is a median of triton.testing.do_bench; per
+contender the median over rounds. Also timed: the level-2 problem's
+convolution alone (cuDNN, the part both sides share). TF32 stays at
+torch's defaults for both sides (matmul and convolution flags printed).
+Before timing, each ModelNew's output is checked against the reference at
+KernelBench's tolerance (atol = rtol = 1e-4).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import triton.testing
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+os.environ.setdefault("GROUPNORM_INLINE_LAZY", "1")  # only the bundles' extensions are used
+import groupnorm_tools as tools  # noqa: E402
+# the references as the tests build them (the problems' code)
+from test_groupnorm import kernelbench_92_reference_model, kernelbench_reference_model  # noqa: E402
+
+PROBLEMS = {  # problem: (reference Model, its GroupNorm attribute)
+    "level1-35": (kernelbench_reference_model, "gn"),
+    "level2-92": (kernelbench_92_reference_model, "group_norm"),
+}
+
+
+def solution(problem, directory):
+    """The bundle's namespace: ModelNew, get_inputs, get_init_inputs."""
+    path = tools.bundle(os.path.join(directory, f"{problem}.py"), kernelbench=problem)
+    namespace = {}
+    with open(path) as f:
+        exec(compile(f.read(), path, "exec"), namespace)
+    return namespace
+
+
+def contenders(problem, namespace):
+    """{name: a call with no arguments}, the inputs on the GPU."""
+    reference_model, norm = PROBLEMS[problem]
+    Model = reference_model()
+    init = namespace["get_init_inputs"]()
+    reference = Model(*init).cuda()
+    getattr(reference, norm).weight.data.normal_()
+    getattr(reference, norm).bias.data.normal_()
+    candidate = namespace["ModelNew"](*init).cuda()
+    candidate.load_state_dict(reference.state_dict())
+    (x,) = (t.cuda() for t in namespace["get_inputs"]())
+    compiled = torch.compile(reference)
+    with torch.no_grad():
+        torch.testing.assert_close(candidate(x), reference(x), atol=1e-4, rtol=1e-4)
+        compiled(x)  # compiled before timing
+    fns = {"eager": lambda: reference(x), "torch.compile": lambda: compiled(x),
+           "ModelNew": lambda: candidate(x)}
+    if hasattr(reference, "conv"):
+        fns["conv alone"] = lambda: reference.conv(x)
+    return fns
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--problems", nargs="+", choices=list(PROBLEMS), default=list(PROBLEMS))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args()
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "cuda": torch.version.cuda, "rounds": args.rounds,
+            "tf32": {"matmul": torch.backends.cuda.matmul.allow_tf32,
+                     "cudnn": torch.backends.cudnn.allow_tf32}}
+    print(meta)
+    rows = []
+    with tempfile.TemporaryDirectory() as directory, torch.no_grad():
+        for problem in args.problems:
+            fns = contenders(problem, solution(problem, directory))
+            times = {name: [] for name in fns}
+            for _ in range(args.rounds):
+                for name, fn in fns.items():
+                    times[name].append(triton.testing.do_bench(fn, warmup=25, rep=200,
+                                                               return_mode="median"))
+            ms = {name: statistics.median(t) for name, t in times.items()}
+            rows.append({"problem": problem, "ms": ms})
+            print(f"{problem}: " + ", ".join(f"{name} {t:.4f} ms" for name, t in ms.items()) +
+                  f"; eager / ModelNew {ms['eager'] / ms['ModelNew']:.2f}, "
+                  f"torch.compile / ModelNew {ms['torch.compile'] / ms['ModelNew']:.2f}",
+                  flush=True)
+            del fns
+            torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
