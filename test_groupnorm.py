@@ -3457,6 +3457,18 @@ def test_gpu_kernelbench_92_bundle_matches_the_reference(tmp_path):
                              trials=5)
 
 
+def kernelbench_models(kb, Model, norm):
+    """On the GPU: the reference Model (its GroupNorm `norm` given random
+    affine parameters) and the bundle kb's ModelNew holding its state."""
+    init = kb["get_init_inputs"]()
+    reference = Model(*init).cuda()
+    getattr(reference, norm).weight.data.normal_()
+    getattr(reference, norm).bias.data.normal_()
+    candidate = kb["ModelNew"](*init).cuda()
+    candidate.load_state_dict(reference.state_dict())
+    return reference, candidate
+
+
 def check_kernelbench_bundle(tmp_path, problem, Model, norm, trials):
     """The problem's bundle on the GPU against the reference Model (its
     GroupNorm `norm` given random affine parameters), on the problem's
@@ -3465,12 +3477,7 @@ def check_kernelbench_bundle(tmp_path, problem, Model, norm, trials):
     kb = {}
     with open(path) as f:
         exec(compile(f.read(), "<string>", "exec"), kb)
-    init = kb["get_init_inputs"]()
-    reference = Model(*init).cuda()
-    getattr(reference, norm).weight.data.normal_()
-    getattr(reference, norm).bias.data.normal_()
-    candidate = kb["ModelNew"](*init).cuda()
-    candidate.load_state_dict(reference.state_dict())
+    reference, candidate = kernelbench_models(kb, Model, norm)
     for _ in range(trials):
         (x,) = kb["get_inputs"]()
         x = x.cuda()

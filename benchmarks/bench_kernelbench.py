@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("GROUPNORM_INLINE_LAZY", "1")  # only the bundles' extensions are used
 import groupnorm_tools as tools  # noqa: E402
 # the references as the tests build them (the problems' code)
-from test_groupnorm import kernelbench_92_reference_model, kernelbench_reference_model  # noqa: E402
+from test_groupnorm import (kernelbench_92_reference_model, kernelbench_models,  # noqa: E402
+                            kernelbench_reference_model)
 
 PROBLEMS = {  # problem: (reference Model, its GroupNorm attribute)
     "level1-35": (kernelbench_reference_model, "gn"),
@@ -52,13 +53,7 @@ def solution(problem, directory):
 def contenders(problem, namespace):
     """{name: a call with no arguments}, the inputs on the GPU."""
     reference_model, norm = PROBLEMS[problem]
-    Model = reference_model()
-    init = namespace["get_init_inputs"]()
-    reference = Model(*init).cuda()
-    getattr(reference, norm).weight.data.normal_()
-    getattr(reference, norm).bias.data.normal_()
-    candidate = namespace["ModelNew"](*init).cuda()
-    candidate.load_state_dict(reference.state_dict())
+    reference, candidate = kernelbench_models(namespace, reference_model(), norm)
     (x,) = (t.cuda() for t in namespace["get_inputs"]())
     compiled = torch.compile(reference)
     with torch.no_grad():
