@@ -7,8 +7,9 @@ problem's inputs, one GPU.
 
 Each problem's bundle is written to a temporary file and run as KernelBench
 runs it (exec of its text, which builds its own extension the first time).
-The references are the test suite's (the problems' own code), given random
-affine parameters and loaded into ModelNew. The contenders alternate for
+The references are the test suite's (the problems' own code; importing
+test_groupnorm needs pytest), given random affine parameters and loaded
+into ModelNew. The contenders alternate for
 --rounds rounds; each time is a median of triton.testing.do_bench; per
 contender the median over rounds. Also timed: the level-2 problem's
 convolution alone (cuDNN, the part both sides share). TF32 stays at
