@@ -416,7 +416,7 @@ def _cache_error(error, name, build_dir):
 def _write_sources(build_dir):
     """The translation units to compile, written under build_dir: the kernel
     sources in src/, and for each kernel family one file per dtype that
-    includes it (GROUPNORM_DTYPES, kernels/launch.cuh)."""
+    includes it (GROUPNORM_DTYPES, kernels/launchers.h)."""
     src = os.path.join(build_dir, "src")
     os.makedirs(src, exist_ok=True)
 

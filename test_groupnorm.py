@@ -982,6 +982,9 @@ def test_kernelbench_bundle_passes_static_checks(tmp_path):
     # name, it would replace the module's cached library with one that has
     # only forward()
     assert gn.extension_name() not in text
+    # its one translation unit compiles float32 kernels alone (the build's
+    # time: a quarter of the library's, or less)
+    assert text.count("#define GROUPNORM_DTYPES(X) X(float)\n") == 1
 
 
 @pytest.mark.parametrize("snippet,problem", [
@@ -3484,6 +3487,10 @@ def check_kernelbench_bundle(tmp_path, problem, Model, norm, trials):
         with torch.no_grad():
             torch.testing.assert_close(candidate(x), reference(x), atol=1e-4, rtol=1e-4)
         del x
+    # built for float32 alone: another dtype is refused by name, not run
+    other = torch.randn(2, 8, 4, 4, dtype=torch.float64, device="cuda")
+    with pytest.raises(RuntimeError, match="no kernels for Double"):
+        kb["_extension"].forward(other, None, None, 2, 1e-5, "auto", 0, 0)
 
 
 @pytest.mark.parametrize("name", ["unet", "vae", "resnet50_gn", "efficientnet_b3_gn", "segresnet"])

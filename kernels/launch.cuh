@@ -134,16 +134,4 @@ void with_vec(int v, F&& f) {
   TORCH_CHECK(false, "groupnorm: no kernel for vector width " + std::to_string(v));
 }
 
-// The dtypes each family's translation unit is built for: all four, unless
-// the build compiles one translation unit per dtype (the loader does, to
-// compile them in parallel) and defines GROUPNORM_DTYPES to one of them.
-#ifndef GROUPNORM_DTYPES
-#define GROUPNORM_DTYPES(X) X(float) X(double) X(c10::Half) X(c10::BFloat16)
-#endif
-// Likewise the forward families' kernels with and without the epilogue
-// (kFused): X(T, false) X(T, true), or one of them in a unit of its own.
-#ifndef GROUPNORM_EPILOGUES
-#define GROUPNORM_EPILOGUES(X, T) X(T, false) X(T, true)
-#endif
-
 }  // namespace groupnorm

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <cuda_runtime_api.h>
 
@@ -96,24 +97,60 @@ template <typename scalar_t>
 void launch_backward_stream(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
                             WorkspaceAllocator& workspace, cudaStream_t stream);
 
+// The dtypes (GROUPNORM_DTYPES) and forward epilogue switches
+// (GROUPNORM_EPILOGUES: X(T, false) X(T, true)) a build has kernels for:
+// all, unless defined before this header. The loader compiles one
+// translation unit per dtype (and per switch) in parallel, each defining
+// them to its own; a KernelBench solution, one translation unit, defines
+// them to what its problem runs (float32; the plain or the fused forward).
+#ifndef GROUPNORM_DTYPES
+#define GROUPNORM_DTYPES(X) X(float) X(double) X(c10::Half) X(c10::BFloat16)
+#endif
+#ifndef GROUPNORM_EPILOGUES
+#define GROUPNORM_EPILOGUES(X, T) X(T, false) X(T, true)
+#endif
+
+#define GROUPNORM_IS_DTYPE(U) || std::is_same_v<T, U>
+template <typename T>
+constexpr bool built_for_dtype() {
+  return false GROUPNORM_DTYPES(GROUPNORM_IS_DTYPE);
+}
+#undef GROUPNORM_IS_DTYPE
+
+#define GROUPNORM_IS_SWITCH(T, fused) || (fused) == kFused
+template <bool kFused>
+constexpr bool built_for_epilogue() {
+  return false GROUPNORM_EPILOGUES(GROUPNORM_IS_SWITCH, float);
+}
+#undef GROUPNORM_IS_SWITCH
+
 template <typename T>
 struct TypeTag {
   using type = T;
 };
 
-// f(TypeTag<scalar_t>{}) for the dtype of a problem.
+// f(TypeTag<scalar_t>{}) for the dtype of a problem; an error for a dtype
+// the build has no kernels for.
 template <typename F>
 decltype(auto) with_dtype(c10::ScalarType dtype, F&& f) {
   switch (dtype) {
+    case c10::ScalarType::Float:
+      if constexpr (built_for_dtype<float>()) return f(TypeTag<float>{});
+      break;
     case c10::ScalarType::Double:
-      return f(TypeTag<double>{});
+      if constexpr (built_for_dtype<double>()) return f(TypeTag<double>{});
+      break;
     case c10::ScalarType::Half:
-      return f(TypeTag<c10::Half>{});
+      if constexpr (built_for_dtype<c10::Half>()) return f(TypeTag<c10::Half>{});
+      break;
     case c10::ScalarType::BFloat16:
-      return f(TypeTag<c10::BFloat16>{});
+      if constexpr (built_for_dtype<c10::BFloat16>()) return f(TypeTag<c10::BFloat16>{});
+      break;
     default:
-      return f(TypeTag<float>{});
+      break;
   }
+  TORCH_CHECK(false, "groupnorm: this build has no kernels for ", dtype,
+              " input (a KernelBench solution is built for float32 alone)");
 }
 
 // f(TypeTag<scalar_t>{}, std::bool_constant<kFused>{}) for a forward
@@ -121,7 +158,14 @@ decltype(auto) with_dtype(c10::ScalarType dtype, F&& f) {
 template <typename F>
 decltype(auto) with_forward_types(const Problem& p, F&& f) {
   return with_dtype(p.dtype, [&](auto tag) {
-    return p.epilogue ? f(tag, std::true_type{}) : f(tag, std::false_type{});
+    if (p.epilogue) {
+      if constexpr (built_for_epilogue<true>()) return f(tag, std::true_type{});
+    } else {
+      if constexpr (built_for_epilogue<false>()) return f(tag, std::false_type{});
+    }
+    TORCH_CHECK(false, "groupnorm: this build has no forward kernels ",
+                p.epilogue ? "with" : "without", " an epilogue (a KernelBench solution has "
+                "those of its problem alone)");
   });
 }
 
