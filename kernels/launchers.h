@@ -1,7 +1,8 @@
 // The kernel families' entry points on the host: each family's translation
-// unit defines them for every dtype (scalar_t: float, double, c10::Half,
-// c10::BFloat16). The planner asks for kernel symbols (occupancy); the
-// forward and backward entry points launch plans.
+// unit defines them for the dtypes of GROUPNORM_DTYPES (below; scalar_t:
+// float, double, c10::Half, c10::BFloat16 in the library's build). The
+// planner asks for kernel symbols (occupancy); the forward and backward
+// entry points launch plans.
 #pragma once
 
 #include <c10/util/BFloat16.h>
