@@ -63,13 +63,14 @@ _EMBEDDED_TOOLS = None  # replaced by `bundle`
 _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in globals() else None
 # The extension is compiled as separate translation units, in parallel: the
 # host code, the Python module, and each kernel family once per dtype (the
-# large forward families once without the epilogue and once with it).
+# large forward families and the backward once without the epilogue and
+# once with it).
 _HOST_UNITS = ["device.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp", "library.cpp",
                "bindings.cpp"]
 _KERNEL_UNITS = ["launch_forward_small.cu", "launch_forward_team.cu", "launch_forward_stream.cu",
                  "launch_forward_stream_channels_last.cu", "launch_backward.cu"]
 _EPILOGUE_UNITS = {"launch_forward_team.cu", "launch_forward_stream.cu",
-                   "launch_forward_stream_channels_last.cu"}
+                   "launch_forward_stream_channels_last.cu", "launch_backward.cu"}
 _UNIT_DTYPES = {"float": "float", "double": "double", "half": "c10::Half",
                 "bfloat16": "c10::BFloat16"}
 # Everything but the Python module as one translation unit, and the
@@ -1406,6 +1407,12 @@ _SCHEMAS = {
     "forward_fused": "forward_fused(Tensor x, Tensor? weight, Tensor? bias, int groups, float eps, "
                      "Tensor? scale, Tensor? shift, Tensor? residual, int[] activations, "
                      "float slope, Tensor? add=None) -> (Tensor, Tensor, Tensor)",
+    # its backward: dx, dweight, dbias, dscale, dshift, dadd (the last three (N, C))
+    "backward_fused": "backward_fused(Tensor dy, Tensor x, Tensor mean, Tensor rstd, "
+                      "Tensor? weight, Tensor? bias, int groups, Tensor? scale, Tensor? shift, "
+                      "int[] activations, float slope, Tensor? add, bool need_dx, "
+                      "bool need_affine, bool need_scale, bool need_shift, bool need_add) "
+                      "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)",
 }
 
 
@@ -1460,10 +1467,20 @@ def _backward_fake(dy, x, mean, rstd, weight, groups, need_dx, need_affine):
     return dx, x.new_empty(affine), x.new_empty(affine)
 
 
+def _backward_fused_fake(dy, x, mean, rstd, weight, bias, groups, scale, shift, activations,
+                         slope, add, need_dx, need_affine, need_scale, need_shift, need_add):
+    dx, dweight, dbias = _backward_fake(dy, x, mean, rstd, weight, groups, need_dx, need_affine)
+    per_sample_channel = [x.new_empty(tuple(x.shape[:2]) if wanted and t is not None else (0,))
+                          for wanted, t in ((need_scale, scale), (need_shift, shift),
+                                            (need_add, add))]
+    return (dx, dweight, dbias, *per_sample_channel)
+
+
 def _define_ops(ns):
-    """Defines <ns>::forward, ::backward and ::forward_fused with their fake functions, once
-    per process: a copy of this module imported beside it (a bundle) finds
-    them defined and uses them. Returns the Library that holds them."""
+    """Defines <ns>::forward, ::backward, ::forward_fused and ::backward_fused
+    with their fake functions, once per process: a copy of this module
+    imported beside it (a bundle) finds them defined and uses them. Returns
+    the Library that holds them."""
     if hasattr(getattr(torch.ops, ns), "forward"):
         return None
     library = torch.library.Library(ns, "FRAGMENT")
@@ -1472,6 +1489,7 @@ def _define_ops(ns):
     torch.library.register_fake(f"{ns}::forward", _forward_fake, lib=library)
     torch.library.register_fake(f"{ns}::backward", _backward_fake, lib=library)
     torch.library.register_fake(f"{ns}::forward_fused", _forward_fused_fake, lib=library)
+    torch.library.register_fake(f"{ns}::backward_fused", _backward_fused_fake, lib=library)
     return library
 
 

@@ -1508,7 +1508,7 @@ def _group_stats(x, groups):
 
 @pytest.fixture
 def operators_on_the_cpu():
-    """CPU kernels for the three operators, by torch ops in the input's
+    """CPU kernels for the four operators, by torch ops in the input's
     dtype (the CUDA kernels' definitions): the C++ autograd functions then
     run on CPU tensors, numbers included."""
     try:
@@ -1543,12 +1543,72 @@ def operators_on_the_cpu():
         epilogue = gn._Epilogue(scale, shift, residual, steps)
         return gn._torch_epilogue(y, epilogue), mean, rstd
 
+    def backward_fused(dy, x, mean, rstd, weight, bias, groups, scale, shift, activations, slope,
+                       add, need_dx, need_affine, need_scale, need_shift, need_add):
+        # the kernels' algebra (kernels/backward_epilogue.cuh) in torch ops:
+        # g = dy * act'(z) by ATen's formulas, its per-channel sums, dshift,
+        # dscale and dadd from them, the plain backward on g * (1 + scale)
+        N, C = x.shape[:2]
+        per_channel = (N, C) + (1,) * (x.dim() - 2)
+        spatial = tuple(range(2, x.dim()))
+        total = x if add is None else x + add.reshape(per_channel)
+        count = total[0, 0].numel()
+        by_group = lambda t: t.repeat_interleave(C // groups, dim=1).reshape(per_channel)
+        centred = total - by_group(mean)
+        w = weight if weight is not None else x.new_ones(C)
+        b = bias if bias is not None else x.new_zeros(C)
+        m = 1 + scale if scale is not None else x.new_ones(N, C)
+        a = (by_group(rstd) * (w * m).reshape(per_channel))
+        z = centred * a + (b * m + (shift if shift is not None else 0)).reshape(per_channel)
+        values = [z]
+        for code in activations:
+            values.append(ACTIVATION_FORWARD[names[code]](values[-1], slope))
+        g = dy
+        for i in reversed(range(len(activations))):
+            g = ACTIVATION_BACKWARD[names[activations[i]]](g, values[i], values[i + 1], slope)
+        sum_g, sum_gx = (t.sum(spatial) if spatial else t for t in (g, g * centred))
+        rs = rstd.repeat_interleave(C // groups, dim=1)
+        grads = {"dshift": sum_g, "dscale": w * rs * sum_gx + b * sum_g}
+        dx, dweight, dbias = backward(g * m.reshape(per_channel), total, mean, rstd, weight,
+                                      groups, True, need_affine)
+        k1 = rs * (w * m * sum_g).reshape(N, groups, -1).sum(-1).repeat_interleave(
+            C // groups, dim=1) / (count * C // groups)
+        k2 = rs ** 3 * (w * m * sum_gx).reshape(N, groups, -1).sum(-1).repeat_interleave(
+            C // groups, dim=1) / (count * C // groups)
+        sum_x = centred.sum(spatial) if spatial else centred
+        grads["dadd"] = rs * w * m * sum_g - count * k1 - k2 * sum_x
+        empty = x.new_empty(0)
+        return (dx if need_dx else empty, dweight, dbias,
+                *(grads[k] if wanted and t is not None else empty for k, wanted, t in (
+                    ("dscale", need_scale, scale), ("dshift", need_shift, shift),
+                    ("dadd", need_add, add))))
+
     library = torch.library.Library("groupnorm_inline", "IMPL")
-    for name, fn in (("forward", forward), ("backward", backward), ("forward_fused", forward_fused)):
+    for name, fn in (("forward", forward), ("backward", backward), ("forward_fused", forward_fused),
+                     ("backward_fused", backward_fused)):
         library.impl(name, fn, "CPU")
     yield
     library._destroy()
 
+
+# Each activation and its gradient by ATen's formulas, given (g, z, act(z),
+# slope): what the fused backward's kernels compute.
+ACTIVATION_FORWARD = {
+    "silu": lambda z, slope: F.silu(z), "gelu": lambda z, slope: F.gelu(z),
+    "gelu_tanh": lambda z, slope: F.gelu(z, approximate="tanh"),
+    "relu": lambda z, slope: F.relu(z), "leaky_relu": lambda z, slope: F.leaky_relu(z, slope),
+    "tanh": lambda z, slope: torch.tanh(z), "sigmoid": lambda z, slope: torch.sigmoid(z),
+    "hardswish": lambda z, slope: F.hardswish(z), "mish": lambda z, slope: F.mish(z)}
+ACTIVATION_BACKWARD = {
+    "silu": lambda g, z, out, slope: torch.ops.aten.silu_backward(g, z),
+    "gelu": lambda g, z, out, slope: torch.ops.aten.gelu_backward(g, z),
+    "gelu_tanh": lambda g, z, out, slope: torch.ops.aten.gelu_backward(g, z, approximate="tanh"),
+    "relu": lambda g, z, out, slope: torch.ops.aten.threshold_backward(g, out, 0),
+    "leaky_relu": lambda g, z, out, slope: torch.ops.aten.leaky_relu_backward(g, z, slope, False),
+    "tanh": lambda g, z, out, slope: torch.ops.aten.tanh_backward(g, out),
+    "sigmoid": lambda g, z, out, slope: torch.ops.aten.sigmoid_backward(g, out),
+    "hardswish": lambda g, z, out, slope: torch.ops.aten.hardswish_backward(g, z),
+    "mish": lambda g, z, out, slope: torch.ops.aten.mish_backward(g, z)}
 
 OPTIONAL_INPUTS = ("weight", "bias", "scale", "shift", "residual", "add")
 
@@ -1564,8 +1624,8 @@ def unfused_group_norm(x, groups, weight, bias, eps=1e-5):
                                    ["gelu_tanh", "sigmoid", "relu"]])
 @pytest.mark.parametrize("wanted", ["all", "x", *OPTIONAL_INPUTS, "some absent", "2-D"])
 def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_cpu, chain, wanted):
-    # the C++ fused backward (recompute, the chain back, scale and shift sums,
-    # the plain backward operator) against torch's autograd of the unfused
+    # the C++ fused autograd over the backward operator (on the CPU: the
+    # kernels' algebra in torch ops) against torch's autograd of the unfused
     # sequence, in float64: each input's gradient alone (a mix-up of edges
     # shows), all at once, with optional inputs absent, and on (N, C) input
     torch.manual_seed(len(chain))
@@ -4085,6 +4145,39 @@ def off_kinks(dy, x, weight, bias, args, groups=8, eps=1e-5):
     return dy.masked_fill((slope(z + delta) - slope(z - delta)).abs() > 0.1, 0)
 
 
+def fused_gradients(x, w, b, args, dy, groups):
+    """Every gradient of the fused call (ours) and of the unfused torch
+    sequence in x's dtype (theirs) and in float64 (exact). args: the
+    epilogue's options, add included."""
+    def gradients(fn, cast):
+        leaves, call_args = epilogue_leaves(cast(x), cast(w), cast(b), {
+            k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
+        y = fn(leaves["input"], leaves["weight"], leaves["bias"], call_args)
+        return dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), cast(dy))))
+
+    def torch_sequence(t, weight, bias, call_args):
+        rest = dict(call_args)
+        add = rest.pop("add", None)
+        total = t if add is None else t + broadcast_add(add, t)
+        return apply_epilogue(F.group_norm(total, groups, weight, bias, 1e-5), **rest)
+
+    ours = gradients(lambda t, weight, bias, a: gn.group_norm(t, groups, weight, bias, **a),
+                     lambda v: v)
+    return ours, gradients(torch_sequence, lambda v: v), gradients(torch_sequence, lambda v: v.double())
+
+
+def assert_as_close_as_torch(ours, theirs, exact, dtype):
+    """Each gradient within twice torch's own error in the dtype (four times
+    for float32, as the plain backward's bound, gradient_tolerance: shifted
+    inputs' errors come from the statistics, which differ by a few times
+    either way) plus four ulps of the largest."""
+    factor = 4 if dtype == torch.float32 else 2
+    for key, ref in exact.items():
+        slack = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1e-30)
+        error, torch_error = tools.max_error(ours[key], ref), tools.max_error(theirs[key], ref)
+        assert error <= factor * torch_error + slack, (key, error, torch_error)
+
+
 @cuda
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
@@ -4096,23 +4189,7 @@ def test_gpu_epilogue_gradients_match_float64(name, options, dtype, layout):
     w, b = affine(32, dtype, "cuda", "both")
     args = epilogue_tensors(x, options)
     dy = off_kinks(torch.randn_like(x), x, w, b, args)
-
-    def gradients(fn, cast):
-        leaves, call_args = epilogue_leaves(cast(x), cast(w), cast(b), {
-            k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
-        y = fn(leaves["input"], leaves["weight"], leaves["bias"], call_args)
-        return dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), cast(dy))))
-
-    def torch_sequence(t, weight, bias, call_args):
-        return apply_epilogue(F.group_norm(t, 8, weight, bias, 1e-5), **call_args)
-
-    ours = gradients(lambda t, weight, bias, a: gn.group_norm(t, 8, weight, bias, **a), lambda v: v)
-    exact = gradients(torch_sequence, lambda v: v.double())
-    theirs = gradients(torch_sequence, lambda v: v)
-    for key, ref in exact.items():
-        slack = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1e-30)
-        error, torch_error = tools.max_error(ours[key], ref), tools.max_error(theirs[key], ref)
-        assert error <= 2 * torch_error + slack, (key, error, torch_error)
+    assert_as_close_as_torch(*fused_gradients(x, w, b, args, dy, 8), dtype)
 
 
 @cuda
@@ -4177,6 +4254,39 @@ def test_gpu_epilogue_gradcheck(activation):
                              **{k: given.get(k, v) for k, v in call_args.items()})
 
     assert torch.autograd.gradcheck(fn, tuple(leaves.values()), eps=1e-6, atol=1e-5)
+
+
+@cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype, shift", [(torch.float32, 1000.0), (torch.bfloat16, 1.0)],
+                         ids=["float32 1000+randn", "bfloat16"])
+@pytest.mark.parametrize("shape", [(2, 64, 80, 72), (3, 40, 1000)], ids=["2-D", "1-D"])
+@pytest.mark.parametrize("activation", ["silu", ("tanh", "hardswish")], ids=["silu", "chain"])
+def test_gpu_fused_backward_over_chunked_tiles(activation, shape, dtype, shift, layout):
+    # the fused backward's passes where a channel's positions are cut into
+    # several chunks, whose sums of g, g * (s - mean) and s - mean the
+    # coefficients add: add, scale, shift, the activation and the residual
+    # at once, every gradient against the unfused torch sequence in float64
+    x = make_input(shape, dtype, layout, "cuda", shift=shift)
+    N, C = shape[:2]
+    w, b = affine(C, dtype, "cuda", "both")
+    args = dict(epilogue_tensors(x, dict(scale=True, shift=True, residual=True)),
+                activation=activation, add=torch.randn(N, C, device="cuda").to(dtype))
+    total = x + broadcast_add(args["add"], x)
+    kinks = {k: v for k, v in args.items() if k != "add"}
+    dy = off_kinks(torch.randn_like(x), total, w, b, kinks)
+    assert_as_close_as_torch(*fused_gradients(x, w, b, args, dy, 8), dtype)
+
+
+@cuda
+def test_gpu_fused_backward_of_input_larger_than_l2():
+    # the plain backward streams such input; the fused one takes the passes
+    x = make_input((1, 128, 512, 512), torch.bfloat16, "contiguous", "cuda", shift=1.0)
+    w, b = affine(128, torch.bfloat16, "cuda", "both")
+    args = dict(activation="silu", add=torch.randn(1, 128, device="cuda").to(torch.bfloat16),
+                scale=0.5 * torch.randn(1, 128, device="cuda").to(torch.bfloat16))
+    assert_as_close_as_torch(*fused_gradients(x, w, b, args, torch.randn_like(x), 32),
+                             torch.bfloat16)
 
 
 @cuda

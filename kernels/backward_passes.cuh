@@ -23,7 +23,8 @@
 // backward_stream_channels_last.cuh instead, which do steps 1, 2 and 4 in one
 // launch and read each tile the second time soon after the first. mean and
 // rstd come from the forward: nothing else is saved. No atomics: results do
-// not depend on timing.
+// not depend on timing. With kFused the passes are the backward of the
+// fused forward as well (backward_epilogue.cuh): the stream kernels are not.
 //
 // Tiles (chosen by choose_backward on the host):
 //   contiguous    rows of HxW (one per (sample, channel)); a row of at most
@@ -35,7 +36,7 @@
 //                 each thread keeps V channels for its whole run.
 #pragma once
 
-#include "epilogue.cuh"
+#include "backward_epilogue.cuh"
 #include "plan.h"
 #include "reduce.cuh"
 
@@ -46,14 +47,15 @@ constexpr int kBackwardUnroll = 4;
 // elements 8 to a vector, so that kBackwardUnroll loads of x and of dy per
 // thread are in flight from enough CTAs to keep DRAM busy: contiguous sums
 // and dx 64 registers, channels-last sums (V sums and means a thread) 80.
-// 0 = the compiler's choice for every other kernel.
-template <typename scalar_t, int V>
+// 0 = the compiler's choice for every other kernel, and for the fused
+// backward's, which recompute the forward's value per element.
+template <typename scalar_t, int V, bool kFused>
 constexpr int backward_contiguous_blocks_per_sm() {
-  return sizeof(scalar_t) == 2 && V == 8 ? 4 : 0;
+  return sizeof(scalar_t) == 2 && V == 8 && !kFused ? 4 : 0;
 }
-template <typename scalar_t, int V>
+template <typename scalar_t, int V, bool kFused>
 constexpr int backward_channels_last_sums_blocks_per_sm() {
-  return sizeof(scalar_t) == 2 && V == 8 ? 3 : 0;
+  return sizeof(scalar_t) == 2 && V == 8 && !kFused ? 3 : 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -61,74 +63,152 @@ constexpr int backward_channels_last_sums_blocks_per_sm() {
 // ---------------------------------------------------------------------------
 
 // Sums of dy and dy * (x - mu) over vectors [begin, end) of one row; `lane`
-// of `width` threads takes every width-th vector.
-template <typename scalar_t, int V>
+// of `width` threads takes every width-th vector. With kFused, of g and g *
+// (s - mu) (backward_epilogue.cuh) and, in s_x, of s - mu; r is the row's.
+template <typename scalar_t, int V, bool kFused>
 __device__ __forceinline__ void row_sums(const scalar_t* dy, const scalar_t* x, int64_t begin,
-                                         int64_t end, int lane, int width, acc_t<scalar_t> mu,
-                                         acc_t<scalar_t>& s_dy, acc_t<scalar_t>& s_dyx) {
+                                         int64_t end, int lane, int width,
+                                         const Recompute<acc_t<scalar_t>>& r,
+                                         const BackwardEpilogue<scalar_t, kFused>& ep,
+                                         acc_t<scalar_t>& s_dy, acc_t<scalar_t>& s_dyx,
+                                         acc_t<scalar_t>& s_x) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   load_each<kBackwardUnroll, scalar_t, V>(
       begin + lane, end, width, V,
       [&](int64_t, const VecT& g, const VecT& v) {
+        if constexpr (kFused) {
+          A centred[V], grad[V];
+          recompute_lanes<scalar_t, V>(g, v, ep, [&](int) { return r; }, centred, grad);
 #pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const A d = static_cast<A>(g.val[e]);
-          s_dy += d;
-          s_dyx += d * (static_cast<A>(v.val[e]) - mu);
+          for (int e = 0; e < V; ++e) {
+            s_dy += grad[e];
+            s_dyx += grad[e] * centred[e];
+            s_x += centred[e];
+          }
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e) {
+            const A d = static_cast<A>(g.val[e]);
+            s_dy += d;
+            s_dyx += d * (static_cast<A>(v.val[e]) - r.mu);
+          }
         }
       },
       dy, x);
 }
 
-template <typename scalar_t, int V>
+// What row_sums and the dx kernels need of channel c of sample n: the mean
+// alone, or with kFused everything the forward computed z from.
+template <typename scalar_t, bool kFused>
+__device__ __forceinline__ Recompute<acc_t<scalar_t>> channel_recompute(
+    int64_t n, int64_t c, int G, int D, const acc_t<scalar_t>* __restrict__ mean,
+    const scalar_t* __restrict__ gamma, const BackwardEpilogue<scalar_t, kFused>& ep) {
+  if constexpr (kFused) {
+    return recompute_of(n, c, G, mean, gamma, ep);
+  } else {
+    return {0, mean[n * G + c / D], {}};
+  }
+}
+
+// The sum of s - mu of partial pair `at` (kFused, add's gradient wanted).
+template <typename scalar_t, bool kFused>
+__device__ __forceinline__ void store_x_sum(const BackwardEpilogue<scalar_t, kFused>& ep,
+                                            int64_t at, acc_t<scalar_t> s_x) {
+  if constexpr (kFused) {
+    if (ep.x_partial != nullptr) ep.x_partial[at] = s_x;
+  }
+}
+
+template <typename scalar_t, int V, bool kFused>
 __global__ void __launch_bounds__(kBackwardThreads,
-                                  backward_contiguous_blocks_per_sm<scalar_t, V>())
+                                  backward_contiguous_blocks_per_sm<scalar_t, V, kFused>())
     groupnorm_backward_sums_contiguous_kernel(
         const scalar_t* __restrict__ dy,           // [N * C, HxW]
         const scalar_t* __restrict__ x,            // [N * C, HxW]
         const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+        const scalar_t* __restrict__ gamma,        // [C] or nullptr (kFused reads it)
         acc_t<scalar_t>* __restrict__ partial,     // [N * C, chunks, 2]
-        BackwardTiles t, int C, int D) {
+        BackwardTiles t, int C, int D, const BackwardEpilogue<scalar_t, kFused> ep) {
   using A = acc_t<scalar_t>;
-  __shared__ A scratch[2 * kBackwardWarps];
+  __shared__ A scratch[3 * kBackwardWarps];
   const int G = C / D;
-  const auto mean_of = [&](int64_t row) { return mean[(row / C) * G + (row % C) / D]; };
+  const bool x_sums = wants_x_sums(ep);
+  const auto recompute = [&](int64_t row) {
+    return channel_recompute<scalar_t>(row / C, row % C, G, D, mean, gamma, ep);
+  };
   for (int64_t b = blockIdx.x; b < t.tiles; b += gridDim.x) {
     if (t.warp_rows) {
       const int64_t row = b * kBackwardWarps + threadIdx.x / kWarp;
       if (row >= t.rows) continue;  // no block barrier in this branch
       const int lane = threadIdx.x % kWarp;
-      A s_dy = 0, s_dyx = 0;
+      A s_dy = 0, s_dyx = 0, s_x = 0;
       row_sums<scalar_t, V>(dy + row * t.row_items * V, x + row * t.row_items * V, 0, t.row_items,
-                            lane, kWarp, mean_of(row), s_dy, s_dyx);
+                            lane, kWarp, recompute(row), ep, s_dy, s_dyx, s_x);
       s_dy = warp_sum(s_dy);
       s_dyx = warp_sum(s_dyx);
-      if (lane == 0) store_pair(partial + row * 2, s_dy, s_dyx);
+      if (x_sums) s_x = warp_sum(s_x);
+      if (lane == 0) {
+        store_pair(partial + row * 2, s_dy, s_dyx);
+        store_x_sum(ep, row, s_x);
+      }
     } else {
       const int64_t row = b / t.chunks;
       const int64_t k = b % t.chunks;
       const int64_t begin = k * t.chunk;
-      A s_dy = 0, s_dyx = 0;
+      A s_dy = 0, s_dyx = 0, s_x = 0;
       row_sums<scalar_t, V>(dy + row * t.row_items * V, x + row * t.row_items * V, begin,
                             min(t.row_items, begin + t.chunk), threadIdx.x, blockDim.x,
-                            mean_of(row), s_dy, s_dyx);
-      block_sums(scratch, s_dy, s_dyx);
-      if (threadIdx.x == 0) store_pair(partial + b * 2, s_dy, s_dyx);
+                            recompute(row), ep, s_dy, s_dyx, s_x);
+      if (x_sums) {
+        block_sums(scratch, s_dy, s_dyx, s_x);
+      } else {
+        block_sums(scratch, s_dy, s_dyx);
+      }
+      if (threadIdx.x == 0) {
+        store_pair(partial + b * 2, s_dy, s_dyx);
+        store_x_sum(ep, b, s_x);
+      }
     }
   }
 }
 
-template <typename scalar_t, int V>
+// dx of V lanes from the lanes' coefficients and, with kFused, the values
+// they recompute g and s from (r(e): lane e's Recompute).
+template <typename scalar_t, int V, bool kFused, typename CoefOf, typename RecomputeOf>
+__device__ __forceinline__ Vec<scalar_t, V> fused_dx_vec(const Vec<scalar_t, V>& g,
+                                                         const Vec<scalar_t, V>& v, CoefOf coef,
+                                                         RecomputeOf r,
+                                                         const BackwardEpilogue<scalar_t, kFused>& ep) {
+  if constexpr (kFused) {
+    using A = acc_t<scalar_t>;
+    A centred[V], grad[V];
+    recompute_lanes<scalar_t, V>(g, v, ep, r, centred, grad);
+    Vec<scalar_t, V> out;
+#pragma unroll
+    for (int e = 0; e < V; ++e) {
+      const Coef<A> c = coef(e);
+      out.val[e] = static_cast<scalar_t>(c.alpha * grad[e] - c.k1 - centred[e] * c.k2);
+    }
+    return out;
+  } else {
+    return dx_vec<scalar_t, V>(g, v, coef);
+  }
+}
+
+template <typename scalar_t, int V, bool kFused>
 __global__ void __launch_bounds__(kBackwardThreads,
-                                  backward_contiguous_blocks_per_sm<scalar_t, V>())
+                                  backward_contiguous_blocks_per_sm<scalar_t, V, kFused>())
     groupnorm_backward_dx_contiguous_kernel(
         const scalar_t* __restrict__ dy,                 // [N * C, HxW]
         const scalar_t* __restrict__ x,                  // [N * C, HxW]
         const Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N*C]
         scalar_t* __restrict__ dx,                       // [N * C, HxW]
-        BackwardTiles t) {
+        BackwardTiles t, const acc_t<scalar_t>* __restrict__ mean,
+        const scalar_t* __restrict__ gamma, int C, int D,
+        const BackwardEpilogue<scalar_t, kFused> ep) {  // mean, gamma, C, D: kFused reads them
   using VecT = Vec<scalar_t, V>;
+  using A = acc_t<scalar_t>;
   for (int64_t i = blockIdx.x; i < t.tiles; i += gridDim.x) {
     const int64_t b = t.tiles - 1 - i;  // reverse: the sums kernel's last tiles are in L2
     int64_t row, begin = 0, end = t.row_items;
@@ -144,12 +224,15 @@ __global__ void __launch_bounds__(kBackwardThreads,
       end = min(t.row_items, begin + t.chunk);
     }
     const int64_t offset = row * t.row_items * V;
-    const Coef<acc_t<scalar_t>> k = coef[row];
+    const Coef<A> k = coef[row];
+    Recompute<A> r{};
+    if constexpr (kFused) r = recompute_of(row / C, row % C, C / D, mean, gamma, ep);
     load_each<kBackwardUnroll, scalar_t, V>(
         begin + lane, end, width, V,
         [&](int64_t j, const VecT& g, const VecT& v) {
-          store_vec_streaming<scalar_t, V>(dx + offset + j * V,
-                                           dx_vec<scalar_t, V>(g, v, [&](int) { return k; }));
+          store_vec_streaming<scalar_t, V>(
+              dx + offset + j * V,
+              fused_dx_vec<scalar_t, V>(g, v, [&](int) { return k; }, [&](int) { return r; }, ep));
         },
         dy + offset, x + offset);
   }
@@ -184,38 +267,55 @@ struct ChannelsLastTile {
   }
 };
 
-template <typename scalar_t, int V>
+template <typename scalar_t, int V, bool kFused>
 __global__ void __launch_bounds__(kBackwardThreads,
-                                  backward_channels_last_sums_blocks_per_sm<scalar_t, V>())
+                                  backward_channels_last_sums_blocks_per_sm<scalar_t, V, kFused>())
     groupnorm_backward_sums_channels_last_kernel(
         const scalar_t* __restrict__ dy,           // [N, HxW, C]
         const scalar_t* __restrict__ x,            // [N, HxW, C]
         const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
+        const scalar_t* __restrict__ gamma,        // [C] or nullptr (kFused reads it)
         acc_t<scalar_t>* __restrict__ partial,     // [N, chunks, C, 2]
-        BackwardTiles t, int C, int D) {
+        BackwardTiles t, int C, int D, const BackwardEpilogue<scalar_t, kFused> ep) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   // [trows][block_cols * V] per-thread sums, then added down each column.
   __shared__ A red_dy[kBackwardThreads * V], red_dyx[kBackwardThreads * V];
+  __shared__ A red_x[kFused ? kBackwardThreads * V : 1];
   const int G = C / D;
+  const bool x_sums = wants_x_sums(ep);
   for (int64_t b = blockIdx.x; b < t.tiles; b += gridDim.x) {
     const ChannelsLastTile tile(t, b, C, V);
-    A s_dy[V], s_dyx[V], mu[V];
+    A s_dy[V], s_dyx[V], s_x[V];
+    Recompute<A> r[V];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      s_dy[e] = s_dyx[e] = 0;
-      mu[e] = tile.active ? mean[tile.n * G + (tile.col * V + e) / D] : A(0);
+      s_dy[e] = s_dyx[e] = s_x[e] = 0;
+      r[e] = tile.active ? channel_recompute<scalar_t>(tile.n, tile.col * V + e, G, D, mean,
+                                                       gamma, ep)
+                         : Recompute<A>{};
     }
     if (tile.active) {
       const int64_t base = tile.n * t.row_items * C + int64_t(tile.col) * V;
       load_each<kBackwardUnroll, scalar_t, V>(
           tile.first_row + tile.trow, tile.end_row, tile.trows, C,
           [&](int64_t, const VecT& g, const VecT& v) {
+            if constexpr (kFused) {
+              A centred[V], grad[V];
+              recompute_lanes<scalar_t, V>(g, v, ep, [&](int e) { return r[e]; }, centred, grad);
 #pragma unroll
-            for (int e = 0; e < V; ++e) {
-              const A d = static_cast<A>(g.val[e]);
-              s_dy[e] += d;
-              s_dyx[e] += d * (static_cast<A>(v.val[e]) - mu[e]);
+              for (int e = 0; e < V; ++e) {
+                s_dy[e] += grad[e];
+                s_dyx[e] += grad[e] * centred[e];
+                s_x[e] += centred[e];
+              }
+            } else {
+#pragma unroll
+              for (int e = 0; e < V; ++e) {
+                const A d = static_cast<A>(g.val[e]);
+                s_dy[e] += d;
+                s_dyx[e] += d * (static_cast<A>(v.val[e]) - r[e].mu);
+              }
             }
           },
           dy + base, x + base);
@@ -227,45 +327,58 @@ __global__ void __launch_bounds__(kBackwardThreads,
         const int entry = tile.trow * t.block_cols * V + tile.col_in_block * V + e;
         red_dy[entry] = s_dy[e];
         red_dyx[entry] = s_dyx[e];
+        if (x_sums) red_x[entry] = s_x[e];
       }
     }
     __syncthreads();
     const int width = tile.cols_here * V;
     const int64_t k = (b % (t.chunks * t.cblocks)) / t.cblocks;
     const int64_t c_first = int64_t(tile.col - tile.col_in_block) * V;
-    A* out = partial + ((tile.n * t.chunks + k) * C + c_first) * 2;
+    const int64_t first_pair = (tile.n * t.chunks + k) * C + c_first;
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
-      A a = 0, q = 0;
-      for (int r = 0; r < tile.trows; ++r) {  // row-lane order: fixed
-        a += red_dy[r * t.block_cols * V + j];
-        q += red_dyx[r * t.block_cols * V + j];
+      A a = 0, q = 0, sx = 0;
+      for (int lane_row = 0; lane_row < tile.trows; ++lane_row) {  // row-lane order: fixed
+        const int entry = lane_row * t.block_cols * V + j;
+        a += red_dy[entry];
+        q += red_dyx[entry];
+        if (x_sums) sx += red_x[entry];
       }
-      store_pair(out + int64_t(j) * 2, a, q);
+      store_pair(partial + (first_pair + j) * 2, a, q);
+      store_x_sum(ep, first_pair + j, sx);
     }
   }
 }
 
-template <typename scalar_t, int V>
+template <typename scalar_t, int V, bool kFused>
 __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_dx_channels_last_kernel(
     const scalar_t* __restrict__ dy,                 // [N, HxW, C]
     const scalar_t* __restrict__ x,                  // [N, HxW, C]
     const Coef<acc_t<scalar_t>>* __restrict__ coef,  // [N, C]
     scalar_t* __restrict__ dx,                       // [N, HxW, C]
-    BackwardTiles t, int C) {
+    BackwardTiles t, int C, const acc_t<scalar_t>* __restrict__ mean,
+    const scalar_t* __restrict__ gamma, int D,
+    const BackwardEpilogue<scalar_t, kFused> ep) {  // mean, gamma, D: kFused reads them
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   for (int64_t i = blockIdx.x; i < t.tiles; i += gridDim.x) {
     const ChannelsLastTile tile(t, t.tiles - 1 - i, C, V);  // reverse, as the contiguous one
     if (!tile.active) continue;
     Coef<A> k[V];
+    Recompute<A> r[V];
 #pragma unroll
-    for (int e = 0; e < V; ++e) k[e] = coef[tile.n * C + int64_t(tile.col) * V + e];
+    for (int e = 0; e < V; ++e) {
+      const int64_t c = int64_t(tile.col) * V + e;
+      k[e] = coef[tile.n * C + c];
+      if constexpr (kFused) r[e] = recompute_of(tile.n, c, C / D, mean, gamma, ep);
+    }
     const int64_t base = tile.n * t.row_items * C + int64_t(tile.col) * V;
     load_each<kBackwardUnroll, scalar_t, V>(
         tile.first_row + tile.trow, tile.end_row, tile.trows, C,
-        [&](int64_t r, const VecT& g, const VecT& v) {
-          store_vec_streaming<scalar_t, V>(dx + base + r * C,
-                                           dx_vec<scalar_t, V>(g, v, [&](int e) { return k[e]; }));
+        [&](int64_t row, const VecT& g, const VecT& v) {
+          store_vec_streaming<scalar_t, V>(
+              dx + base + row * C,
+              fused_dx_vec<scalar_t, V>(g, v, [&](int e) { return k[e]; },
+                                        [&](int e) { return r[e]; }, ep));
         },
         dy + base, x + base);
   }
@@ -286,8 +399,11 @@ struct PartialLayout {
 // over the group. kPairsInFlight: pairs a thread has in flight when it has at
 // least 4 a channel; fewer take 2. Writes the per-(sample, channel) affine
 // pairs (sum(dy), sum(dy * xhat)), unless affine_pairs is null, and the dx
-// coefficients of every channel of the group, unless coef is null.
-template <typename scalar_t, int kPairsInFlight>
+// coefficients of every channel of the group, unless coef is null. With
+// kFused the channel sums are of g (backward_epilogue.cuh): it writes dshift
+// and dscale from them, scales them by (1 + scale), and writes dadd once the
+// coefficients are known (coef must not be null then).
+template <typename scalar_t, int kPairsInFlight, bool kFused = false>
 __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // see PartialLayout
                                   const acc_t<scalar_t>* __restrict__ mean,  // [N, G]
                                   const acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
@@ -295,9 +411,10 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
                                   acc_t<scalar_t>* affine_pairs,             // [N, C, 2] or nullptr
                                   Coef<acc_t<scalar_t>>* coef,               // [N, C] or nullptr
                                   int64_t unit, int C, int G, int64_t HxW, PartialLayout at,
-                                  acc_t<scalar_t>* red_dy,     // [blockDim.x] shared
-                                  acc_t<scalar_t>* red_dyx,    // [blockDim.x] shared
-                                  acc_t<scalar_t>* scratch) {  // [2 * warps] shared
+                                  acc_t<scalar_t>* red_dy,    // [blockDim.x] shared
+                                  acc_t<scalar_t>* red_dyx,   // [blockDim.x] shared
+                                  acc_t<scalar_t>* scratch,   // [2 * warps] shared
+                                  const BackwardEpilogue<scalar_t, kFused>& ep = {}) {
   using A = acc_t<scalar_t>;
   const int D = C / G;
   const auto weight = [&](int c) { return gamma != nullptr ? static_cast<A>(gamma[c]) : A(1); };
@@ -305,10 +422,34 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
   const int c0 = int(unit % G) * D;
   const A mu = mean[unit];
   const A rs = rstd[unit];
+  // (1 + scale[n, c]) with kFused: what the channel's sums of g are multiplied by
+  const auto modulation = [&](int c) {
+    if constexpr (kFused) {
+      if (ep.forward.scale != nullptr) return A(1) + static_cast<A>(ep.forward.scale[n * C + c]);
+    }
+    return A(1);
+  };
   const A* channels = partial + (n * at.stride_n + int64_t(c0) * at.stride_c) * 2;
   A s1 = 0, s2 = 0;  // sum(g) and sum(g * (x - mu)) over the group: per-thread parts
   const auto store = [&](int d, A t_dy, A t_dyx) {
     const int c = c0 + d;
+    if constexpr (kFused) {
+      const int64_t nc = n * C + c;
+      if (ep.dshift != nullptr) ep.dshift[nc] = static_cast<scalar_t>(t_dy);
+      if (ep.dscale != nullptr) {
+        const A b = ep.beta != nullptr ? static_cast<A>(ep.beta[c]) : A(0);
+        ep.dscale[nc] = static_cast<scalar_t>(weight(c) * rs * t_dyx + b * t_dy);
+      }
+      const A m = modulation(c);
+      t_dy *= m;
+      t_dyx *= m;
+      if (ep.x_partial != nullptr) {  // sum(s - mu) over the channel's chunks, in order
+        A s_x = 0;
+        const A* x_sums = ep.x_partial + n * at.stride_n + int64_t(c) * at.stride_c;
+        for (int64_t k = 0; k < at.chunks; ++k) s_x += x_sums[k * at.stride_k];
+        store_pair(ep.channel_sums + nc * 2, weight(c) * t_dy, s_x);
+      }
+    }
     if (affine_pairs != nullptr) store_pair(affine_pairs + (n * C + c) * 2, t_dy, t_dyx * rs);
     s1 += weight(c) * t_dy;
     s2 += weight(c) * t_dyx;
@@ -316,17 +457,25 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
   add_pair_sets<kPairsInFlight, 2>(channels, at.chunks, at.stride_c, at.stride_k, D, red_dy,
                                    red_dyx, store);
   if (coef == nullptr) return;  // the same in every thread
-  block_sums(scratch, s1, s2);
+  block_sums(scratch, s1, s2);  // its barriers also publish the channel sums stored above
   const A M = A(D) * A(HxW);
   const A k1 = rs * s1 / M;
   const A k2 = rs * rs * rs * s2 / M;
   for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    coef[n * C + c0 + d] = Coef<A>{rs * weight(c0 + d), mu, k1, k2};
+    const int c = c0 + d;
+    const A alpha = rs * weight(c) * modulation(c);
+    coef[n * C + c] = Coef<A>{alpha, mu, k1, k2};
+    if constexpr (kFused) {
+      if (ep.dadd != nullptr) {
+        const A* sums = ep.channel_sums + (n * C + c) * 2;
+        ep.dadd[n * C + c] = static_cast<scalar_t>(rs * sums[0] - A(HxW) * k1 - k2 * sums[1]);
+      }
+    }
   }
 }
 
 // One CTA per (sample, group), after the sums kernel.
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficients_kernel(
     const acc_t<scalar_t>* __restrict__ partial,  // [N * C, chunks, 2] or [N, chunks, C, 2]
     const acc_t<scalar_t>* __restrict__ mean,     // [N, G]
@@ -334,12 +483,13 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficie
     const scalar_t* __restrict__ gamma,           // [C] or nullptr
     acc_t<scalar_t>* __restrict__ affine_pairs,   // [N, C, 2] or nullptr
     Coef<acc_t<scalar_t>>* __restrict__ coef,     // [N, C] or nullptr
-    int64_t N, int C, int G, int64_t HxW, PartialLayout at) {
+    int64_t N, int C, int G, int64_t HxW, PartialLayout at,
+    const BackwardEpilogue<scalar_t, kFused> ep) {
   using A = acc_t<scalar_t>;
   __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[2 * kBackwardWarps];
   for (int64_t unit = blockIdx.x; unit < N * G; unit += gridDim.x) {
-    unit_coefficients<scalar_t, 16>(partial, mean, rstd, gamma, affine_pairs, coef, unit, C, G, HxW,
-                                    at, red_dy, red_dyx, scratch);
+    unit_coefficients<scalar_t, 16, kFused>(partial, mean, rstd, gamma, affine_pairs, coef, unit,
+                                            C, G, HxW, at, red_dy, red_dyx, scratch, ep);
   }
 }
 

@@ -50,6 +50,22 @@ void launch_kernel(void (*kernel)(Params...), const LaunchShape& shape, cudaStre
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
+// An epilogue's untyped arguments as a kernel takes them.
+template <typename scalar_t>
+Epilogue<scalar_t, true> typed_epilogue(const EpilogueArgs& e) {
+  Epilogue<scalar_t, true> epilogue;
+  epilogue.add = static_cast<const scalar_t*>(e.add);
+  epilogue.scale = static_cast<const scalar_t*>(e.scale);
+  epilogue.shift = static_cast<const scalar_t*>(e.shift);
+  epilogue.residual = static_cast<const scalar_t*>(e.residual);
+  epilogue.C = e.C;
+  epilogue.slope = acc_t<scalar_t>(e.slope);
+  epilogue.activations = e.activations;
+  epilogue.chain = 0;
+  for (int i = 0; i < e.activations; ++i) epilogue.chain |= uint32_t(e.chain[i]) << (8 * i);
+  return epilogue;
+}
+
 // A call's pointers typed for scalar_t, accumulators in acc_t<scalar_t>.
 template <typename scalar_t>
 struct TypedForward {
@@ -69,18 +85,8 @@ struct TypedForward {
         y(static_cast<scalar_t*>(a.y)),
         mean(static_cast<A*>(a.mean)),
         rstd(static_cast<A*>(a.rstd)),
-        eps(A(a.eps)) {
-    const EpilogueArgs& e = a.epilogue;
-    epilogue.add = static_cast<const scalar_t*>(e.add);
-    epilogue.scale = static_cast<const scalar_t*>(e.scale);
-    epilogue.shift = static_cast<const scalar_t*>(e.shift);
-    epilogue.residual = static_cast<const scalar_t*>(e.residual);
-    epilogue.C = e.C;
-    epilogue.slope = A(e.slope);
-    epilogue.activations = e.activations;
-    epilogue.chain = 0;
-    for (int i = 0; i < e.activations; ++i) epilogue.chain |= uint32_t(e.chain[i]) << (8 * i);
-  }
+        eps(A(a.eps)),
+        epilogue(typed_epilogue<scalar_t>(a.epilogue)) {}
   // The epilogue argument of a kernel instantiated with kFused.
   template <bool kFused>
   Epilogue<scalar_t, kFused> epilogue_for() const {

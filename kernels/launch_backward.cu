@@ -1,7 +1,8 @@
-// Launchers of the backward: the four-launch passes (backward_passes.cuh)
-// and the stream kernels (backward_stream*.cuh), each followed, when dgamma
-// and dbeta are wanted, by the affine kernel. Every temporary of a backward
-// comes from one allocation.
+// Launchers of the backward: the four-launch passes (backward_passes.cuh),
+// plain or fused (backward_epilogue.cuh), and the stream kernels
+// (backward_stream*.cuh, plain), each followed, when dgamma and dbeta are
+// wanted, by the affine kernel. Every temporary of a backward comes from one
+// allocation.
 #include "backward_stream.cuh"
 #include "backward_stream_channels_last.cuh"
 #include "launch.cuh"
@@ -72,7 +73,29 @@ void launch_backward_stream(const BackwardPlan& plan, const Problem& p, const Ba
   if (need_affine) launch_affine<scalar_t>(affine_pairs, p, a, stream);
 }
 
-template <typename scalar_t>
+// The passes' epilogue argument: the fused backward's tensors and the
+// workspace it sums into, or nothing.
+template <typename scalar_t, bool kFused>
+BackwardEpilogue<scalar_t, kFused> backward_epilogue(const BackwardArgs& a, acc_t<scalar_t>* x_partial,
+                                                     acc_t<scalar_t>* channel_sums) {
+  if constexpr (kFused) {
+    using A = acc_t<scalar_t>;
+    BackwardEpilogue<scalar_t, true> ep;
+    ep.forward = typed_epilogue<scalar_t>(a.epilogue);
+    ep.beta = static_cast<const scalar_t*>(a.beta);
+    ep.rstd = static_cast<const A*>(a.rstd);
+    ep.x_partial = x_partial;
+    ep.channel_sums = channel_sums;
+    ep.dscale = static_cast<scalar_t*>(a.dscale);
+    ep.dshift = static_cast<scalar_t*>(a.dshift);
+    ep.dadd = static_cast<scalar_t*>(a.dadd);
+    return ep;
+  } else {
+    return {};
+  }
+}
+
+template <typename scalar_t, bool kFused>
 void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
                             WorkspaceAllocator& alloc, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
@@ -82,54 +105,73 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
   const int64_t NC = p.N * p.C;
   const bool need_dx = a.dx != nullptr;
   const bool need_affine = a.dgamma != nullptr;
-  // Chunk partials, the coefficient table and the per-sample affine partials.
+  const bool need_add = kFused && a.dadd != nullptr;  // its sums of s - mean and the coefficients
+  // Chunk partials, the coefficient table, the per-sample affine partials
+  // and, for add's gradient, the sums of s - mean by chunk and by channel.
   WorkspaceLayout layout;
-  const int64_t coef_at = layout.add<Coef<A>>(need_dx ? NC : 0);
+  const int64_t coef_at = layout.add<Coef<A>>(need_dx || need_add ? NC : 0);
   const int64_t partial_at = layout.add<A>(2 * NC * t.chunks);
   const int64_t affine_at = layout.add<A>(need_affine ? 2 * NC : 0);
+  const int64_t x_partial_at = layout.add<A>(need_add ? NC * t.chunks : 0);
+  const int64_t channel_sums_at = layout.add<A>(need_add ? 2 * NC : 0);
   uint8_t* base = alloc.allocate(layout.bytes, 0);
-  Coef<A>* coef = need_dx ? reinterpret_cast<Coef<A>*>(base + coef_at) : nullptr;
+  Coef<A>* coef = need_dx || need_add ? reinterpret_cast<Coef<A>*>(base + coef_at) : nullptr;
   A* partial = reinterpret_cast<A*>(base + partial_at);
   A* affine_pairs = need_affine ? reinterpret_cast<A*>(base + affine_at) : nullptr;
+  const auto ep = backward_epilogue<scalar_t, kFused>(
+      a, need_add ? reinterpret_cast<A*>(base + x_partial_at) : nullptr,
+      need_add ? reinterpret_cast<A*>(base + channel_sums_at) : nullptr);
   const TypedBackward<scalar_t> g(a);
   const LaunchShape tiles{plan.grid, kBackwardThreads};
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
     if (channels_last) {
-      launch_kernel(&groupnorm_backward_sums_channels_last_kernel<scalar_t, V>, tiles, stream, g.dy,
-                    g.x, g.mean, partial, t, C, D);
+      launch_kernel(&groupnorm_backward_sums_channels_last_kernel<scalar_t, V, kFused>, tiles,
+                    stream, g.dy, g.x, g.mean, g.gamma, partial, t, C, D, ep);
     } else {
-      launch_kernel(&groupnorm_backward_sums_contiguous_kernel<scalar_t, V>, tiles, stream, g.dy,
-                    g.x, g.mean, partial, t, C, D);
+      launch_kernel(&groupnorm_backward_sums_contiguous_kernel<scalar_t, V, kFused>, tiles, stream,
+                    g.dy, g.x, g.mean, g.gamma, partial, t, C, D, ep);
     }
   });
   const PartialLayout at{t.chunks, p.C * t.chunks, channels_last ? 1 : t.chunks,
                          channels_last ? p.C : 1};
-  launch_kernel(&groupnorm_backward_coefficients_kernel<scalar_t>,
+  launch_kernel(&groupnorm_backward_coefficients_kernel<scalar_t, kFused>,
                 {std::min<int64_t>(p.N * G, kMaxGrid), kBackwardThreads}, stream,
                 static_cast<const A*>(partial), g.mean, g.rstd, g.gamma, affine_pairs, coef, p.N, C,
-                G, p.HxW, at);
+                G, p.HxW, at, ep);
   if (need_affine) launch_affine<scalar_t>(affine_pairs, p, a, stream);
   if (!need_dx) return;
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
     if (channels_last) {
-      launch_kernel(&groupnorm_backward_dx_channels_last_kernel<scalar_t, V>, tiles, stream, g.dy,
-                    g.x, static_cast<const Coef<A>*>(coef), g.dx, t, C);
+      launch_kernel(&groupnorm_backward_dx_channels_last_kernel<scalar_t, V, kFused>, tiles,
+                    stream, g.dy, g.x, static_cast<const Coef<A>*>(coef), g.dx, t, C, g.mean,
+                    g.gamma, D, ep);
     } else {
-      launch_kernel(&groupnorm_backward_dx_contiguous_kernel<scalar_t, V>, tiles, stream, g.dy, g.x,
-                    static_cast<const Coef<A>*>(coef), g.dx, t);
+      launch_kernel(&groupnorm_backward_dx_contiguous_kernel<scalar_t, V, kFused>, tiles, stream,
+                    g.dy, g.x, static_cast<const Coef<A>*>(coef), g.dx, t, g.mean, g.gamma, C, D,
+                    ep);
     }
   });
 }
 
-#define GROUPNORM_INSTANTIATE_BACKWARD(T)                                                          \
+// Each translation unit builds the plain backward (both launchers) or the
+// fused one (the passes), as GROUPNORM_EPILOGUES says.
+#define GROUPNORM_INSTANTIATE_BACKWARD_false(T)                                                    \
   template const void* backward_stream_kernel<T>(bool, int);                                       \
   template void launch_backward_stream<T>(const BackwardPlan&, const Problem&,                     \
                                           const BackwardArgs&, WorkspaceAllocator&, cudaStream_t); \
-  template void launch_backward_passes<T>(const BackwardPlan&, const Problem&,                     \
-                                          const BackwardArgs&, WorkspaceAllocator&, cudaStream_t);
-GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_BACKWARD)
+  template void launch_backward_passes<T, false>(                                                  \
+      const BackwardPlan&, const Problem&, const BackwardArgs&, WorkspaceAllocator&, cudaStream_t);
+#define GROUPNORM_INSTANTIATE_BACKWARD_true(T)    \
+  template void launch_backward_passes<T, true>( \
+      const BackwardPlan&, const Problem&, const BackwardArgs&, WorkspaceAllocator&, cudaStream_t);
+#define GROUPNORM_INSTANTIATE_BACKWARD(T, fused) GROUPNORM_INSTANTIATE_BACKWARD_##fused(T)
+#define GROUPNORM_INSTANTIATE_BACKWARDS(T) GROUPNORM_EPILOGUES(GROUPNORM_INSTANTIATE_BACKWARD, T)
+GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_BACKWARDS)
+#undef GROUPNORM_INSTANTIATE_BACKWARDS
 #undef GROUPNORM_INSTANTIATE_BACKWARD
+#undef GROUPNORM_INSTANTIATE_BACKWARD_true
+#undef GROUPNORM_INSTANTIATE_BACKWARD_false
 
 }  // namespace groupnorm

@@ -50,7 +50,9 @@ struct ForwardArgs {
 };
 
 // One backward call: dy and x in x's layout; dx there or null (not wanted);
-// dgamma, dbeta [C] or null (not wanted).
+// dgamma, dbeta [C] or null (not wanted). The fused backward's
+// (backward_epilogue.cuh) also: beta, the forward's epilogue (add, scale,
+// shift, the chain; no residual), and dscale, dshift, dadd [N, C] or null.
 struct BackwardArgs {
   const void* dy;
   const void* x;
@@ -60,6 +62,11 @@ struct BackwardArgs {
   void* dx;
   void* dgamma;
   void* dbeta;
+  const void* beta = nullptr;
+  EpilogueArgs epilogue = {};
+  void* dscale = nullptr;
+  void* dshift = nullptr;
+  void* dadd = nullptr;
 };
 
 // Kernel symbols for the occupancy queries. Either merge of a stream kernel
@@ -91,7 +98,7 @@ void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs&
 template <typename scalar_t, bool kFused>
 void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                                  WorkspaceAllocator& workspace, cudaStream_t stream);
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
                             WorkspaceAllocator& workspace, cudaStream_t stream);
 template <typename scalar_t>
@@ -154,19 +161,20 @@ decltype(auto) with_dtype(c10::ScalarType dtype, F&& f) {
               " input (a KernelBench solution is built for float32 alone)");
 }
 
-// f(TypeTag<scalar_t>{}, std::bool_constant<kFused>{}) for a forward
-// problem: its dtype, and whether it has an epilogue.
+// f(TypeTag<scalar_t>{}, std::bool_constant<kFused>{}) for a problem: its
+// dtype, and whether it has an epilogue (forward) or is the fused forward's
+// backward.
 template <typename F>
-decltype(auto) with_forward_types(const Problem& p, F&& f) {
+decltype(auto) with_kernel_types(const Problem& p, F&& f) {
   return with_dtype(p.dtype, [&](auto tag) {
     if (p.epilogue) {
       if constexpr (built_for_epilogue<true>()) return f(tag, std::true_type{});
     } else {
       if constexpr (built_for_epilogue<false>()) return f(tag, std::false_type{});
     }
-    TORCH_CHECK(false, "groupnorm: this build has no forward kernels ",
+    TORCH_CHECK(false, "groupnorm: this build has no kernels ",
                 p.epilogue ? "with" : "without", " an epilogue (a KernelBench solution has "
-                "those of its problem alone)");
+                "those of its problem's forward alone)");
   });
 }
 

@@ -1,5 +1,6 @@
-// The kernels of the operators <ns>::forward, ::backward and ::forward_fused
-// (the forward with the epilogue of epilogue.cuh; forward only), registered
+// The kernels of the operators <ns>::forward, ::backward, ::forward_fused
+// (the forward with the epilogue of epilogue.cuh) and ::backward_fused (its
+// backward, backward_epilogue.cuh), registered
 // with torch's dispatcher from C++: the CUDA entry points of ops.cpp and
 // their autograd. Eager calls, torch.compile'd graphs and torch.export'd
 // programs all reach these, so there is one autograd, and a call costs the
@@ -17,12 +18,10 @@
 #include <tuple>
 #include <vector>
 
-#include "activation.h"
 #include "ops.h"
 
 namespace {
 
-using groupnorm::Activation;
 using Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using ForwardOp = Outputs(const at::Tensor&, const c10::optional<at::Tensor>&,
                           const c10::optional<at::Tensor>&, int64_t, double);
@@ -35,10 +34,18 @@ using ForwardFusedOp = Outputs(const at::Tensor&, const c10::optional<at::Tensor
                                const c10::optional<at::Tensor>&, c10::IntArrayRef, double,
                                const c10::optional<at::Tensor>&);
 
+using FusedGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using BackwardFusedOp = FusedGrads(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, int64_t,
+    const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&, c10::IntArrayRef, double,
+    const c10::optional<at::Tensor>&, bool, bool, bool, bool, bool);
+
 struct Operators {
   c10::TypedOperatorHandle<ForwardOp> forward;
   c10::TypedOperatorHandle<BackwardOp> backward;
   c10::TypedOperatorHandle<ForwardFusedOp> forward_fused;
+  c10::TypedOperatorHandle<BackwardFusedOp> backward_fused;
 };
 
 // Set once by register_kernels, before any kernel below can run.
@@ -67,6 +74,34 @@ Outputs forward_fused_cuda(const at::Tensor& x, const c10::optional<at::Tensor>&
                            double slope, const c10::optional<at::Tensor>& add) {
   return as_tuple(::forward_fused(x, weight, bias, groups, eps, "auto", 0, 0, scale, shift,
                                   residual, activations.vec(), slope, add));
+}
+
+FusedGrads backward_fused_cuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+                               const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
+                               const c10::optional<at::Tensor>& bias, int64_t groups,
+                               const c10::optional<at::Tensor>& scale,
+                               const c10::optional<at::Tensor>& shift,
+                               c10::IntArrayRef activations, double slope,
+                               const c10::optional<at::Tensor>& add, bool need_dx,
+                               bool need_affine, bool need_scale, bool need_shift, bool need_add) {
+  auto g = ::backward_fused(dy, x, mean, rstd, weight, bias, groups, scale, shift,
+                            activations.vec(), slope, add, need_dx, need_affine, need_scale,
+                            need_shift, need_add);
+  return {g[0], g[1], g[2], g[3], g[4], g[5]};
+}
+
+// Below autograd: the fused Function's backward calls it without grad mode
+// and guards its results itself.
+FusedGrads backward_fused_autograd(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
+    int64_t groups, const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift,
+    c10::IntArrayRef activations, double slope, const c10::optional<at::Tensor>& add,
+    bool need_dx, bool need_affine, bool need_scale, bool need_shift, bool need_add) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  return operators->backward_fused.call(dy, x, mean, rstd, weight, bias, groups, scale, shift,
+                                        activations, slope, add, need_dx, need_affine, need_scale,
+                                        need_shift, need_add);
 }
 
 const char* const kNoDoubleBackward =
@@ -162,60 +197,6 @@ Outputs forward_autograd(const at::Tensor& x, const c10::optional<at::Tensor>& w
   return as_tuple(GroupNormFunction::apply(x, weight, bias, groups, eps));
 }
 
-// One activation of the epilogue's chain (activation.h codes) by ATen, and
-// its derivative by ATen's backward formulas: what torch's autograd of the
-// unfused sequence computes.
-at::Tensor activation_forward(Activation a, const at::Tensor& z, double slope) {
-  switch (a) {
-    case Activation::SiLU:
-      return at::silu(z);
-    case Activation::GELU:
-      return at::gelu(z, "none");
-    case Activation::GELUTanh:
-      return at::gelu(z, "tanh");
-    case Activation::ReLU:
-      return at::relu(z);
-    case Activation::LeakyReLU:
-      return at::leaky_relu(z, slope);
-    case Activation::Tanh:
-      return at::tanh(z);
-    case Activation::Sigmoid:
-      return at::sigmoid(z);
-    case Activation::Hardswish:
-      return at::hardswish(z);
-    case Activation::Mish:
-      return at::mish(z);
-  }
-  TORCH_CHECK(false, "groupnorm_inline: unknown activation");
-}
-
-// The gradient with respect to z of act(z), given the gradient g of its
-// output out = act(z).
-at::Tensor activation_backward(Activation a, const at::Tensor& g, const at::Tensor& z,
-                               const at::Tensor& out, double slope) {
-  switch (a) {
-    case Activation::SiLU:
-      return at::silu_backward(g, z);
-    case Activation::GELU:
-      return at::gelu_backward(g, z, "none");
-    case Activation::GELUTanh:
-      return at::gelu_backward(g, z, "tanh");
-    case Activation::ReLU:
-      return at::threshold_backward(g, out, 0);
-    case Activation::LeakyReLU:
-      return at::leaky_relu_backward(g, z, slope, false);
-    case Activation::Tanh:
-      return at::tanh_backward(g, out);
-    case Activation::Sigmoid:
-      return at::sigmoid_backward(g, out);
-    case Activation::Hardswish:
-      return at::hardswish_backward(g, z);
-    case Activation::Mish:
-      return at::mish_backward(g, z);
-  }
-  TORCH_CHECK(false, "groupnorm_inline: unknown activation");
-}
-
 c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
 }
@@ -224,14 +205,10 @@ bool defined(const c10::optional<at::Tensor>& t) { return t.has_value() && t->de
 
 // The fused forward's autograd. Saves what the plain GroupNorm saves (x,
 // weight, mean, rstd) and the small tensors (bias, scale, shift, add); no
-// full-size activation. The backward recomputes the pre-activation value by
-// the fused forward without activations (one pass over x), runs the chain
-// back by ATen's formulas, takes scale's and shift's gradients as sums over
-// the spatial dims, and hands (1 + scale) times the result to the plain
-// backward operator for dx, dweight and dbias; the residual's gradient is
-// dy. With the prologue (add, [N, C]) it first forms s = x + add again (a
-// pass over x) and works on s; add's gradient is dx summed over the spatial
-// dims. Everything goes through the dispatcher, so torch.compile traces it.
+// full-size activation. The backward operator recomputes the value before
+// the activations in its kernels (backward_epilogue.cuh) and returns every
+// gradient but the residual's, which is dy. Everything goes through the
+// dispatcher, so torch.compile traces it.
 class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFunction> {
  public:
   static torch::autograd::variable_list forward(
@@ -250,7 +227,6 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
                             rstd, tensor(add)});
     ctx->mark_non_differentiable({mean, rstd});
     ctx->saved_data["groups"] = groups;
-    ctx->saved_data["eps"] = eps;
     ctx->saved_data["activations"] = activations.vec();
     ctx->saved_data["slope"] = slope;
     // autograd makes an input edge for each defined tensor argument only
@@ -273,8 +249,7 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
       return index >= 0 && ctx->needs_input_grad(size_t(index));
     };
     const int64_t groups = ctx->saved_data["groups"].toInt();
-    const double eps = ctx->saved_data["eps"].toDouble(),
-                 slope = ctx->saved_data["slope"].toDouble();
+    const double slope = ctx->saved_data["slope"].toDouble();
     const std::vector<int64_t> chain = ctx->saved_data["activations"].toIntVector();
     const bool grad_mode = at::GradMode::is_enabled();  // create_graph
     const bool need_dx = ctx->needs_input_grad(0);
@@ -284,71 +259,31 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
     at::Tensor dx, dweight, dbias, dscale, dshift, dadd;
     if (need_dx || need_weight || need_bias || need_scale || need_shift || need_add) {
       at::NoGradGuard no_grad;
-      // scale and shift as [N, C, 1, ...]: unsqueezed, not reshaped to
-      // sizes, which torch.compile would fix as constants
+      std::tie(dx, dweight, dbias, dscale, dshift, dadd) = operators->backward_fused.call(
+          dy, input, mean, rstd, optional_of(weight), optional_of(bias), groups,
+          optional_of(scale), optional_of(shift), chain, slope, optional_of(add), need_dx,
+          need_weight || need_bias, need_scale, need_shift, need_add);
+      // in the shape scale, shift and add came in: [N, C], or [N, C, 1, ...] from a graph;
+      // unsqueezed, not reshaped to sizes, which torch.compile would fix as constants
       const auto unsqueezed = [](at::Tensor t, int64_t dims) {
         while (t.dim() < dims) t = t.unsqueeze(-1);
         return t;
       };
-      const auto per_channel = [&](const at::Tensor& t) { return unsqueezed(t, input.dim()); };
-      std::vector<int64_t> spatial;  // the dims scale and shift broadcast over
-      for (int64_t d = 2; d < input.dim(); ++d) spatial.push_back(d);
-      // sums over them (none: an (N, C) input, where sum() would take every dim)
-      const auto per_sample_channel = [&](const at::Tensor& t) {
-        return spatial.empty() ? t : t.sum(spatial);
-      };
-      // what the forward normalised: the input, or input + add
-      const at::Tensor x = add.defined() ? input + per_channel(add) : input;
-      // GroupNorm's affine output, for scale's gradient; the value before
-      // the activations then follows from it without another pass over x
-      at::Tensor affine;
-      if (scale.defined() && need_scale) {
-        affine = std::get<0>(
-            operators->forward.call(x, optional_of(weight), optional_of(bias), groups, eps));
-      }
-      // the gradient with respect to the value before the activations
-      at::Tensor g = dy;
-      if (!chain.empty()) {
-        at::Tensor value;
-        if (affine.defined()) {
-          value = affine * (per_channel(scale) + 1);
-          if (shift.defined()) value = value + per_channel(shift);
-        } else {
-          value = std::get<0>(operators->forward_fused.call(
-              x, optional_of(weight), optional_of(bias), groups, eps, optional_of(scale),
-              optional_of(shift), c10::nullopt, {}, slope, c10::nullopt));
-        }
-        std::vector<at::Tensor> values{value};
-        for (int64_t code : chain) {
-          values.push_back(activation_forward(Activation(code), values.back(), slope));
-        }
-        for (size_t i = chain.size(); i-- > 0;) {
-          g = activation_backward(Activation(chain[i]), g, values[i], values[i + 1], slope);
-          values.pop_back();  // each value dies once its step is taken back
-        }
-      }
-      // in the shape scale, shift and add came in: [N, C], or [N, C, 1, ...] from a graph
-      if (need_shift) dshift = unsqueezed(per_sample_channel(g), shift.dim());
-      if (need_scale) dscale = unsqueezed(per_sample_channel(g * affine), scale.dim());
-      if (need_dx || need_weight || need_bias || need_add) {
-        if (scale.defined()) g = g * (per_channel(scale) + 1);
-        std::tie(dx, dweight, dbias) =
-            operators->backward.call(g, x, mean, rstd, optional_of(weight), groups,
-                                     need_dx || need_add, need_weight || need_bias);
-      }
-      if (need_add) dadd = unsqueezed(per_sample_channel(dx), add.dim());
+      if (need_scale) dscale = unsqueezed(dscale, scale.dim());
+      if (need_shift) dshift = unsqueezed(dshift, shift.dim());
+      if (need_add) dadd = unsqueezed(dadd, add.dim());
     }
     torch::autograd::variable_list out{need_dx ? dx : at::Tensor(),
                                        need_weight ? dweight : at::Tensor(),
                                        need_bias ? dbias : at::Tensor(),
                                        at::Tensor() /* groups */,
                                        at::Tensor() /* eps */,
-                                       dscale,
-                                       dshift,
+                                       need_scale ? dscale : at::Tensor(),
+                                       need_shift ? dshift : at::Tensor(),
                                        needs("residual") ? dy : at::Tensor(),
                                        at::Tensor() /* activations */,
                                        at::Tensor() /* slope */,
-                                       dadd};
+                                       need_add ? dadd : at::Tensor()};
     if (!grad_mode) return out;
     // create_graph: gradients of these gradients are refused when asked for
     for (at::Tensor& t : out) {
@@ -386,7 +321,9 @@ void register_kernels(const std::string& ns) {
   operators = new Operators{
       dispatcher.findSchemaOrThrow((ns + "::forward").c_str(), "").typed<ForwardOp>(),
       dispatcher.findSchemaOrThrow((ns + "::backward").c_str(), "").typed<BackwardOp>(),
-      dispatcher.findSchemaOrThrow((ns + "::forward_fused").c_str(), "").typed<ForwardFusedOp>()};
+      dispatcher.findSchemaOrThrow((ns + "::forward_fused").c_str(), "").typed<ForwardFusedOp>(),
+      dispatcher.findSchemaOrThrow((ns + "::backward_fused").c_str(), "")
+          .typed<BackwardFusedOp>()};
   // The registrations last as long as the process, as TORCH_LIBRARY_IMPL's do.
   static std::vector<std::unique_ptr<torch::Library>> libraries;
   libraries.push_back(std::make_unique<torch::Library>(torch::Library::IMPL, ns,
@@ -394,9 +331,11 @@ void register_kernels(const std::string& ns) {
   libraries.back()->impl("forward", TORCH_FN(forward_cuda));
   libraries.back()->impl("backward", TORCH_FN(backward_cuda));
   libraries.back()->impl("forward_fused", TORCH_FN(forward_fused_cuda));
+  libraries.back()->impl("backward_fused", TORCH_FN(backward_fused_cuda));
   libraries.push_back(std::make_unique<torch::Library>(
       torch::Library::IMPL, ns, c10::DispatchKey::Autograd, __FILE__, __LINE__));
   libraries.back()->impl("forward", TORCH_FN(forward_autograd));
   libraries.back()->impl("backward", TORCH_FN(backward_autograd));
   libraries.back()->impl("forward_fused", TORCH_FN(forward_fused_autograd));
+  libraries.back()->impl("backward_fused", TORCH_FN(backward_fused_autograd));
 }

@@ -276,7 +276,7 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
                          rstd.data_ptr(),
                          eps,
                          epilogue.args};
-  with_forward_types(c.problem, [&](auto tag, auto fused) {
+  with_kernel_types(c.problem, [&](auto tag, auto fused) {
     using scalar_t = typename decltype(tag)::type;
     constexpr bool kFused = decltype(fused)::value;
     switch (plan.kernel) {
@@ -299,12 +299,11 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
   return out;
 }
 
-std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
-                                 const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
-                                 int64_t groups, bool need_dx, bool need_affine,
-                                 const std::string& kernel, int64_t lag) {
-  Checked c = check_inputs(x, weight, c10::nullopt, groups, 0.0);
-  const c10::cuda::CUDAGuard guard(x.device());
+namespace {
+
+// dy, mean and rstd against x.
+void check_grad_output(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+                       const at::Tensor& rstd, const Problem& p, int64_t groups) {
   TORCH_CHECK_VALUE(dy.defined() && dy.sizes() == x.sizes(),
                     message("groupnorm backward: grad_output must have the input's shape ",
                             x.sizes(), ", got ", dy.defined() ? dy.sizes() : c10::IntArrayRef{}));
@@ -314,7 +313,6 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
   TORCH_CHECK_VALUE(dy.device() == x.device(),
                     message("groupnorm backward: grad_output is on ", dy.device(),
                             " but input is on ", x.device()));
-  const Problem& p = c.problem;
   for (const at::Tensor* t : {&mean, &rstd}) {
     TORCH_CHECK_VALUE(
         t->dim() == 2 && t->size(0) == p.N && t->size(1) == groups &&
@@ -322,27 +320,64 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
         message("groupnorm backward: mean and rstd must be contiguous [", p.N, ", ", groups, "] ",
                 c10::toString(acc_dtype(x)), " tensors on ", x.device()));
   }
-  const auto empty = [&] { return at::empty({0}, x.options()); };
-  if (!need_dx && !need_affine) return {empty(), empty(), empty()};  // nothing to compute
-  const at::Tensor& xk = c.x;
-  at::Tensor dyk = dy;
-  if (dy.strides() != xk.strides()) {  // into x's layout
-    dyk = at::empty_like(xk);
-    dyk.copy_(dy);
-  }
-  at::Tensor dx = need_dx ? at::empty_like(xk) : empty();
-  at::Tensor dgamma = empty(), dbeta = empty();
-  if (need_affine) {
-    const bool nothing = p.N * p.HxW == 0;  // sums over no element
-    dgamma = nothing ? at::zeros({p.C}, x.options()) : at::empty({p.C}, x.options());
-    dbeta = nothing ? at::zeros({p.C}, x.options()) : at::empty({p.C}, x.options());
-  }
-  if (x.numel() == 0) return {dx, dgamma, dbeta};
-  Problem both = p;
+}
+
+// dy in the layout of xk, the (dense) tensor the kernels read for x.
+at::Tensor in_layout_of(const at::Tensor& xk, const at::Tensor& dy) {
+  if (dy.strides() == xk.strides()) return dy;
+  at::Tensor dyk = at::empty_like(xk);
+  dyk.copy_(dy);
+  return dyk;
+}
+
+// A gradient of C or (N, C) sums, or an empty tensor when not wanted: zeros
+// where the sums are over no element.
+at::Tensor sums_output(bool wanted, c10::IntArrayRef sizes, bool over_nothing,
+                       const at::TensorOptions& options) {
+  if (!wanted) return at::empty({0}, options);
+  return over_nothing ? at::zeros(sizes, options) : at::empty(sizes, options);
+}
+
+// Plans and launches a backward whose outputs are allocated: the plain
+// passes or stream, or the fused passes (problem.epilogue).
+void run_backward(Problem both, const at::Tensor& dyk, bool need_dx, const BackwardArgs& args,
+                  const std::string& kernel, int64_t lag, const at::Tensor& like) {
   both.addr |= reinterpret_cast<uintptr_t>(dyk.data_ptr());  // vectors must suit x and dy
   const BackwardPlan plan = choose_backward(both, need_dx, Request{kernel, 0, lag});
-  const cudaStream_t stream = current_stream(x);
-  TensorWorkspace workspace(x, stream);
+  const cudaStream_t stream = current_stream(like);
+  TensorWorkspace workspace(like, stream);
+  with_kernel_types(both, [&](auto tag, auto fused) {
+    using scalar_t = typename decltype(tag)::type;
+    constexpr bool kFused = decltype(fused)::value;
+    if constexpr (!kFused) {
+      if (plan.kernel == BackwardKernel::Stream ||
+          plan.kernel == BackwardKernel::StreamChannelsLast) {
+        return launch_backward_stream<scalar_t>(plan, both, args, workspace, stream);
+      }
+    }
+    launch_backward_passes<scalar_t, kFused>(plan, both, args, workspace, stream);
+  });
+}
+
+}  // namespace
+
+std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+                                 const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
+                                 int64_t groups, bool need_dx, bool need_affine,
+                                 const std::string& kernel, int64_t lag) {
+  Checked c = check_inputs(x, weight, c10::nullopt, groups, 0.0);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Problem& p = c.problem;
+  const at::Tensor& xk = c.x;
+  check_grad_output(dy, x, mean, rstd, p, groups);
+  const auto empty = [&] { return at::empty({0}, x.options()); };
+  if (!need_dx && !need_affine) return {empty(), empty(), empty()};  // nothing to compute
+  const at::Tensor dyk = in_layout_of(xk, dy);
+  at::Tensor dx = need_dx ? at::empty_like(xk) : empty();
+  const bool over_nothing = p.N * p.HxW == 0;
+  at::Tensor dgamma = sums_output(need_affine, {p.C}, over_nothing, x.options());
+  at::Tensor dbeta = sums_output(need_affine, {p.C}, over_nothing, x.options());
+  if (x.numel() == 0) return {dx, dgamma, dbeta};
   const BackwardArgs args{dyk.data_ptr(),
                           xk.data_ptr(),
                           mean.data_ptr(),
@@ -351,16 +386,60 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
                           need_dx ? dx.data_ptr() : nullptr,
                           need_affine ? dgamma.data_ptr() : nullptr,
                           need_affine ? dbeta.data_ptr() : nullptr};
-  with_dtype(p.dtype, [&](auto tag) {
-    using scalar_t = typename decltype(tag)::type;
-    if (plan.kernel == BackwardKernel::Stream ||
-        plan.kernel == BackwardKernel::StreamChannelsLast) {
-      launch_backward_stream<scalar_t>(plan, both, args, workspace, stream);
-    } else {
-      launch_backward_passes<scalar_t>(plan, both, args, workspace, stream);
-    }
-  });
+  run_backward(p, dyk, need_dx, args, kernel, lag, xk);
   return {dx, dgamma, dbeta};
+}
+
+std::vector<at::Tensor> backward_fused(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, int64_t groups,
+    const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift,
+    const std::vector<int64_t>& activations, double slope, const c10::optional<at::Tensor>& add,
+    bool need_dx, bool need_affine, bool need_scale, bool need_shift, bool need_add) {
+  Checked c = check_inputs(x, weight, bias, groups, 0.0);
+  const c10::cuda::CUDAGuard guard(x.device());
+  const Problem& p = c.problem;
+  const at::Tensor& xk = c.x;
+  CheckedEpilogue epilogue =
+      check_epilogue(x, scale, shift, c10::nullopt, activations, slope, add);
+  need_scale = need_scale && epilogue.scale.defined();
+  need_shift = need_shift && epilogue.shift.defined();
+  need_add = need_add && epilogue.add.defined();
+  check_grad_output(dy, x, mean, rstd, p, groups);
+  const bool over_nothing = p.N * p.HxW == 0;
+  at::Tensor dx = need_dx ? at::empty_like(xk) : at::empty({0}, x.options());
+  std::vector<at::Tensor> out{dx};
+  for (auto [wanted, sizes] : {std::pair{need_affine, std::vector<int64_t>{p.C}},
+                               std::pair{need_affine, std::vector<int64_t>{p.C}},
+                               std::pair{need_scale, std::vector<int64_t>{p.N, p.C}},
+                               std::pair{need_shift, std::vector<int64_t>{p.N, p.C}},
+                               std::pair{need_add, std::vector<int64_t>{p.N, p.C}}}) {
+    out.push_back(sums_output(wanted, sizes, over_nothing, x.options()));
+  }
+  if (x.numel() == 0 || !(need_dx || need_affine || need_scale || need_shift || need_add)) {
+    return out;
+  }
+  const at::Tensor dyk = in_layout_of(xk, dy);
+  const auto pointer = [](bool wanted, const at::Tensor& t) {
+    return wanted ? t.data_ptr() : nullptr;
+  };
+  BackwardArgs args{dyk.data_ptr(),
+                    xk.data_ptr(),
+                    mean.data_ptr(),
+                    rstd.data_ptr(),
+                    data_or_null(c.gamma),
+                    pointer(need_dx, out[0]),
+                    pointer(need_affine, out[1]),
+                    pointer(need_affine, out[2])};
+  args.beta = data_or_null(c.beta);
+  args.epilogue = epilogue.args;
+  args.dscale = pointer(need_scale, out[3]);
+  args.dshift = pointer(need_shift, out[4]);
+  args.dadd = pointer(need_add, out[5]);
+  Problem fused = p;
+  fused.epilogue = true;
+  run_backward(fused, dyk, need_dx, args, "auto", 0, xk);
+  return out;
 }
 
 PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,

@@ -48,6 +48,18 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
                                  int64_t groups, bool need_dx, bool need_affine,
                                  const std::string& kernel, int64_t lag);
 
+// The backward of forward_fused (without the residual, whose gradient is
+// dy): returns [dx, dweight, dbias, dscale, dshift, dadd], dscale, dshift and
+// dadd [N, C] in x's dtype; each an empty tensor when not asked for (or its
+// operand absent). The passes kernels with the epilogue recomputed per
+// element (backward_epilogue.cuh); bias is what the forward added.
+std::vector<at::Tensor> backward_fused(
+    const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
+    const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, int64_t groups,
+    const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift,
+    const std::vector<int64_t>& activations, double slope, const c10::optional<at::Tensor>& add,
+    bool need_dx, bool need_affine, bool need_scale, bool need_shift, bool need_add);
+
 // The plan forward() would run for x, or backward() for x and a grad_output
 // laid out like it (dx wanted). Empty input: no launch, no fields but that.
 groupnorm::PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,

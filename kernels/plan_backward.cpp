@@ -51,8 +51,12 @@ void plan_stream(BackwardPlan& plan, const Problem& p, int blocks, int64_t force
     t.tiles = p.N * blocks * t.chunks;
     unit_tiles = t.chunks;
   }
-  const void* kernel = with_dtype(p.dtype, [&](auto tag) {
-    return backward_stream_kernel<typename decltype(tag)::type>(p.channels_last, plan.vec);
+  // the plain backward's: the fused one has no stream kernel (choose_backward)
+  const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) -> const void* {
+    if constexpr (!decltype(fused)::value) {
+      return backward_stream_kernel<typename decltype(tag)::type>(p.channels_last, plan.vec);
+    }
+    return nullptr;
   });
   const int64_t resident =
       int64_t(blocks_per_sm(kernel, p.device, kBackwardThreads, 0)) * p.dev->sms;
@@ -129,7 +133,8 @@ BackwardPlan passes_channels_last(const Problem& p) {
 // as L2 (smaller inputs are read from L2 the second time anyway: the dx
 // kernels walk the tiles in reverse): contiguous input with 16-byte vectors
 // and rows of whole tiles or more; channels-last input when its units' row
-// fits a block and stream_channels_last_suits. The passes otherwise.
+// fits a block and stream_channels_last_suits. The passes otherwise, and
+// always for the fused forward's backward (p.epilogue).
 BackwardPlan choose_backward(const Problem& p, bool need_dx, const Request& req) {
   const std::string& k = req.kernel;
   TORCH_CHECK_VALUE(k == "auto" || k == "passes" || k == "stream",
@@ -143,7 +148,9 @@ BackwardPlan choose_backward(const Problem& p, bool need_dx, const Request& req)
                     "groupnorm backward: lag= sets the stream kernel's lag (kernel='stream')");
   TORCH_CHECK_VALUE(k != "stream" || need_dx,
                     "groupnorm backward: the stream kernel needs dx wanted");
-  const bool automatic = k == "auto" && need_dx && p.larger_than_l2();
+  TORCH_CHECK_VALUE(k != "stream" || !p.epilogue,
+                    "groupnorm backward: the fused backward runs the passes alone");
+  const bool automatic = k == "auto" && need_dx && p.larger_than_l2() && !p.epilogue;
   if (!p.channels_last) {
     BackwardPlan plan;
     plan.vec = widest_vector(p, {p.HxW});
@@ -175,7 +182,9 @@ BackwardPlan choose_backward(const Problem& p, bool need_dx, const Request& req)
     }
   }
   BackwardPlan plan = p.channels_last ? passes_channels_last(p) : passes_contiguous(p);
-  plan.reason = k == "passes" ? "passes requested" : "the default";
+  plan.reason = k == "passes"  ? "passes requested"
+                : p.epilogue ? "the fused backward: the passes alone"
+                             : "the default";
   return plan;
 }
 

@@ -147,7 +147,7 @@ ForwardPlan team_contiguous(const Problem& p, int64_t forced_team) {
   // warps make each block reduction (the latency of a tiny launch) shorter.
   plan.threads =
       int(std::clamp<int64_t>((items + kWarp - 1) / kWarp * kWarp, kWarp, kContiguousThreads));
-  const void* kernel = with_forward_types(p, [&](auto tag, auto fused) {
+  const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
     return team_kernel<typename decltype(tag)::type, fused>(false, plan.vec);
   });
   plan_teams(plan, p, kernel, items, plan.vec * p.elem, 1, plan.threads, forced_team);
@@ -175,7 +175,7 @@ std::optional<ForwardPlan> team_channels_last(const Problem& p, bool forced, int
   plan.team.rows_per_step = int(std::max<int64_t>(1, kContiguousThreads / cols));
   plan.threads = int((cols * plan.team.rows_per_step + kWarp - 1) / kWarp * kWarp);
   plan.units = p.N * blocks;
-  const void* kernel = with_forward_types(p, [&](auto tag, auto fused) {
+  const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
     return team_kernel<typename decltype(tag)::type, fused>(true, v);
   });
   plan_teams(plan, p, kernel, p.HxW, C * p.elem, p.G / blocks, plan.team.rows_per_step * int(C),
@@ -225,7 +225,7 @@ ForwardPlan stream_contiguous(const Problem& p, int64_t forced_lag) {
   s.piece = kStreamPieceVecs;
   const int64_t items = p.D() * p.HxW / plan.vec;
   const int64_t pieces = (items + s.piece - 1) / s.piece;
-  const void* kernel = with_forward_types(p, [&](auto tag, auto fused) {
+  const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
     return stream_kernel<typename decltype(tag)::type, fused>(plan.vec);
   });
   plan_stream(plan, p, kernel, pieces, s.piece * plan.vec * p.elem, 1, forced_lag);
@@ -276,7 +276,7 @@ std::optional<ForwardPlan> stream_channels_last(const Problem& p, bool forced, i
   // merged, then the chunks, by the CTAs that complete them.
   s.each_merges = pieces * 2 * G * p.acc * kEachMergeShare <= piece_bytes;
   s.chunk = s.each_merges ? pieces : std::max<int64_t>(1, kChunkPartials / G);
-  const void* kernel = with_forward_types(p, [&](auto tag, auto fused) {
+  const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
     return stream_channels_last_kernel<typename decltype(tag)::type, fused>(v);
   });
   plan_stream(plan, p, kernel, pieces, piece_bytes, s.each_merges ? 1 : kRowsFrontsOnce,

@@ -22,7 +22,8 @@ struct Problem {
   uintptr_t addr;  // addresses the vectors must divide (x's, OR-ed with dy's in the backward)
   int device;
   const DeviceInfo* dev;
-  // The forward applies an epilogue (epilogue.cuh), which the registers kernel does not take.
+  // The forward applies an epilogue (epilogue.cuh), which the registers kernel does not
+  // take; a backward: it is the fused forward's (backward_epilogue.cuh), the passes alone.
   bool epilogue = false;
 
   int64_t D() const { return C / G; }
