@@ -123,15 +123,15 @@ __device__ __noinline__ Lanes<A, V> chain_gradient(Lanes<A, V> z, Lanes<A, V> g,
 }
 
 // For V lanes of dy and x whose channels' Recompute of(e) gives: s (as the
-// forward rounded it) minus mean in `centred`, and g = dy * act'(z) in `g`.
+// forward rounded it) minus mean in `centred`, z in `z`, and g = dy in `g`.
 template <typename scalar_t, int V, typename Of>
-__device__ __forceinline__ void recompute_lanes(const Vec<scalar_t, V>& dy,
-                                                const Vec<scalar_t, V>& x,
-                                                const BackwardEpilogue<scalar_t, true>& ep, Of of,
-                                                acc_t<scalar_t> (&centred)[V],
-                                                acc_t<scalar_t> (&g)[V]) {
+__device__ __forceinline__ void recompute_values(const Vec<scalar_t, V>& dy,
+                                                 const Vec<scalar_t, V>& x,
+                                                 const BackwardEpilogue<scalar_t, true>& ep, Of of,
+                                                 acc_t<scalar_t> (&centred)[V],
+                                                 acc_t<scalar_t> (&z)[V],
+                                                 acc_t<scalar_t> (&g)[V]) {
   using A = acc_t<scalar_t>;
-  A z[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) {
     const Recompute<A> r = of(e);
@@ -142,8 +142,23 @@ __device__ __forceinline__ void recompute_lanes(const Vec<scalar_t, V>& dy,
     z[e] = centred[e] * r.f.scale + r.f.shift;
     g[e] = static_cast<A>(dy.val[e]);
   }
+}
+
+// recompute_values, then g = dy * act'(z) for the chains the passes take
+// themselves: none, or SiLU or ReLU alone, inline. Any other chain is taken
+// back by the chain kernel first, whose g the passes then read as dy
+// (launch_backward.cu): the call a chain needs raised every fused pass's
+// registers by a third to a half, whatever the call's form.
+template <typename scalar_t, int V, typename Of>
+__device__ __forceinline__ void recompute_lanes(const Vec<scalar_t, V>& dy,
+                                                const Vec<scalar_t, V>& x,
+                                                const BackwardEpilogue<scalar_t, true>& ep, Of of,
+                                                acc_t<scalar_t> (&centred)[V],
+                                                acc_t<scalar_t> (&g)[V]) {
+  using A = acc_t<scalar_t>;
+  A z[V];
+  recompute_values<scalar_t, V>(dy, x, ep, of, centred, z, g);
   const Epilogue<scalar_t, true>& f = ep.forward;
-  // SiLU (diffusion models) and ReLU (timm, MONAI) alone inline, as in the forward
   if (f.activations == 1 && f.chain == uint32_t(Activation::SiLU)) {
 #pragma unroll
     for (int e = 0; e < V; ++e) g[e] = activation_gradient(Activation::SiLU, g[e], z[e], A(0), f.slope);
@@ -153,16 +168,39 @@ __device__ __forceinline__ void recompute_lanes(const Vec<scalar_t, V>& dy,
       g[e] = activation_gradient(Activation::ReLU, g[e], z[e],
                                  activation(Activation::ReLU, z[e], f.slope), f.slope);
     }
-  } else if (f.activations > 0) {
-    Lanes<A, V> lz, lg;
+  }
+}
+
+// The chain kernel: g = dy * act'(z) in x's dtype and layout, for a chain
+// the passes do not take, one pass over x and dy before them. Vector j
+// holds elements [j * V, j * V + V) of one channel row (contiguous: V
+// divides HxW) or of V channels of one position (channels-last: V divides C).
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(256) groupnorm_backward_chain_kernel(
+    const scalar_t* __restrict__ dy, const scalar_t* __restrict__ x,
+    const acc_t<scalar_t>* __restrict__ mean, const scalar_t* __restrict__ gamma,
+    scalar_t* __restrict__ g_out, int64_t vectors, int64_t HxW, int G, bool channels_last,
+    const BackwardEpilogue<scalar_t, true> ep) {
+  using A = acc_t<scalar_t>;
+  using VecT = Vec<scalar_t, V>;
+  const int64_t C = ep.forward.C;
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < vectors;
+       j += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = j * V;
+    const int64_t n = i / (HxW * C);
+    const int64_t c0 = channels_last ? i % C : (i / HxW) % C;
+    const int step = channels_last ? 1 : 0;  // channels a lane apart
+    const VecT d = load_vec<scalar_t, V>(dy + i), v = load_vec<scalar_t, V>(x + i);
+    Lanes<A, V> z, g;
+    A centred[V];
+    recompute_values<scalar_t, V>(
+        d, v, ep, [&](int e) { return recompute_of(n, c0 + e * step, G, mean, gamma, ep); },
+        centred, z.v, g.v);
+    g = chain_gradient(z, g, ep.forward.chain, ep.forward.activations, ep.forward.slope);
+    VecT out;
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      lz.v[e] = z[e];
-      lg.v[e] = g[e];
-    }
-    lg = chain_gradient(lz, lg, f.chain, f.activations, f.slope);
-#pragma unroll
-    for (int e = 0; e < V; ++e) g[e] = lg.v[e];
+    for (int e = 0; e < V; ++e) out.val[e] = static_cast<scalar_t>(g.v[e]);
+    *reinterpret_cast<VecT*>(g_out + i) = out;  // kept in L2 for the passes' first reads
   }
 }
 

@@ -43,6 +43,12 @@
 namespace groupnorm {
 
 constexpr int kBackwardUnroll = 4;
+// The fused passes' loads in flight: half as many, for half the registers
+// (twice the resident CTAs) of the recompute.
+template <bool kFused>
+__host__ __device__ constexpr int backward_unroll() {
+  return kFused ? kBackwardUnroll / 2 : kBackwardUnroll;
+}
 // Register budgets, as resident CTAs per SM, for the kernels that read 16-bit
 // elements 8 to a vector, so that kBackwardUnroll loads of x and of dy per
 // thread are in flight from enough CTAs to keep DRAM busy: contiguous sums
@@ -74,7 +80,7 @@ __device__ __forceinline__ void row_sums(const scalar_t* dy, const scalar_t* x, 
                                          acc_t<scalar_t>& s_x) {
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
-  load_each<kBackwardUnroll, scalar_t, V>(
+  load_each<backward_unroll<kFused>(), scalar_t, V>(
       begin + lane, end, width, V,
       [&](int64_t, const VecT& g, const VecT& v) {
         if constexpr (kFused) {
@@ -227,7 +233,7 @@ __global__ void __launch_bounds__(kBackwardThreads,
     const Coef<A> k = coef[row];
     Recompute<A> r{};
     if constexpr (kFused) r = recompute_of(row / C, row % C, C / D, mean, gamma, ep);
-    load_each<kBackwardUnroll, scalar_t, V>(
+    load_each<backward_unroll<kFused>(), scalar_t, V>(
         begin + lane, end, width, V,
         [&](int64_t j, const VecT& g, const VecT& v) {
           store_vec_streaming<scalar_t, V>(
@@ -286,18 +292,23 @@ __global__ void __launch_bounds__(kBackwardThreads,
   const bool x_sums = wants_x_sums(ep);
   for (int64_t b = blockIdx.x; b < t.tiles; b += gridDim.x) {
     const ChannelsLastTile tile(t, b, C, V);
-    A s_dy[V], s_dyx[V], s_x[V];
-    Recompute<A> r[V];
+    // per lane: the mean, or with kFused the channel's Recompute and sum of s - mean
+    std::conditional_t<kFused, Recompute<A>, A> r[V];
+    A s_dy[V], s_dyx[V], s_x[kFused ? V : 1];
 #pragma unroll
     for (int e = 0; e < V; ++e) {
-      s_dy[e] = s_dyx[e] = s_x[e] = 0;
-      r[e] = tile.active ? channel_recompute<scalar_t>(tile.n, tile.col * V + e, G, D, mean,
-                                                       gamma, ep)
-                         : Recompute<A>{};
+      s_dy[e] = s_dyx[e] = 0;
+      if constexpr (kFused) {
+        s_x[e] = 0;
+        r[e] = tile.active ? recompute_of(tile.n, tile.col * V + e, G, mean, gamma, ep)
+                           : Recompute<A>{};
+      } else {
+        r[e] = tile.active ? mean[tile.n * G + (tile.col * V + e) / D] : A(0);
+      }
     }
     if (tile.active) {
       const int64_t base = tile.n * t.row_items * C + int64_t(tile.col) * V;
-      load_each<kBackwardUnroll, scalar_t, V>(
+      load_each<backward_unroll<kFused>(), scalar_t, V>(
           tile.first_row + tile.trow, tile.end_row, tile.trows, C,
           [&](int64_t, const VecT& g, const VecT& v) {
             if constexpr (kFused) {
@@ -314,7 +325,7 @@ __global__ void __launch_bounds__(kBackwardThreads,
               for (int e = 0; e < V; ++e) {
                 const A d = static_cast<A>(g.val[e]);
                 s_dy[e] += d;
-                s_dyx[e] += d * (static_cast<A>(v.val[e]) - r[e].mu);
+                s_dyx[e] += d * (static_cast<A>(v.val[e]) - r[e]);
               }
             }
           },
@@ -327,7 +338,9 @@ __global__ void __launch_bounds__(kBackwardThreads,
         const int entry = tile.trow * t.block_cols * V + tile.col_in_block * V + e;
         red_dy[entry] = s_dy[e];
         red_dyx[entry] = s_dyx[e];
-        if (x_sums) red_x[entry] = s_x[e];
+        if constexpr (kFused) {
+          if (x_sums) red_x[entry] = s_x[e];
+        }
       }
     }
     __syncthreads();
@@ -372,7 +385,7 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_dx_channe
       if constexpr (kFused) r[e] = recompute_of(tile.n, c, C / D, mean, gamma, ep);
     }
     const int64_t base = tile.n * t.row_items * C + int64_t(tile.col) * V;
-    load_each<kBackwardUnroll, scalar_t, V>(
+    load_each<backward_unroll<kFused>(), scalar_t, V>(
         tile.first_row + tile.trow, tile.end_row, tile.trows, C,
         [&](int64_t row, const VecT& g, const VecT& v) {
           store_vec_streaming<scalar_t, V>(

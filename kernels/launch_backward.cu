@@ -2,7 +2,7 @@
 // plain or fused (backward_epilogue.cuh), and the stream kernels
 // (backward_stream*.cuh, plain), each followed, when dgamma and dbeta are
 // wanted, by the affine kernel. Every temporary of a backward comes from one
-// allocation.
+// allocation, but the chain kernel's g (a second).
 #include "backward_stream.cuh"
 #include "backward_stream_channels_last.cuh"
 #include "launch.cuh"
@@ -95,10 +95,42 @@ BackwardEpilogue<scalar_t, kFused> backward_epilogue(const BackwardArgs& a, acc_
   }
 }
 
+// Whether the fused passes take the chain back themselves (recompute_lanes).
+inline bool passes_take_chain(const EpilogueArgs& e) {
+  return e.activations == 0 ||
+         (e.activations == 1 && (e.chain[0] == Activation::SiLU || e.chain[0] == Activation::ReLU));
+}
+
+// The chain kernel's g = dy * act'(z) in a temporary of x's size, and the
+// arguments that have the fused passes read it as dy, with no activation of
+// their own.
+template <typename scalar_t>
+BackwardArgs with_chain_taken_back(const BackwardPlan& plan, const Problem& p, BackwardArgs a,
+                                   WorkspaceAllocator& alloc, cudaStream_t stream) {
+  const int64_t elements = p.N * p.C * p.HxW;
+  scalar_t* g = reinterpret_cast<scalar_t*>(alloc.allocate(elements * p.elem, 0));
+  const TypedBackward<scalar_t> t(a);
+  const auto ep = backward_epilogue<scalar_t, true>(a, nullptr, nullptr);
+  with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    const int64_t vectors = elements / V;
+    launch_kernel(&groupnorm_backward_chain_kernel<scalar_t, V>,
+                  {std::min<int64_t>((vectors + 255) / 256, kMaxGrid), 256}, stream, t.dy, t.x,
+                  t.mean, t.gamma, g, vectors, p.HxW, p.G, p.channels_last, ep);
+  });
+  a.dy = g;
+  a.epilogue.activations = 0;
+  return a;
+}
+
 template <typename scalar_t, bool kFused>
-void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
+void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const BackwardArgs& given,
                             WorkspaceAllocator& alloc, cudaStream_t stream) {
   using A = acc_t<scalar_t>;
+  BackwardArgs a = given;
+  if constexpr (kFused) {
+    if (!passes_take_chain(a.epilogue)) a = with_chain_taken_back<scalar_t>(plan, p, a, alloc, stream);
+  }
   const BackwardTiles& t = plan.tiles;
   const bool channels_last = plan.kernel == BackwardKernel::PassesChannelsLast;
   const int C = int(p.C), G = p.G, D = C / G;
