@@ -66,11 +66,13 @@ __device__ __forceinline__ Recompute<acc_t<scalar_t>> recompute_of(
           mean[unit], channel_affine(n, c, ep.rstd[unit], gamma, ep.beta, ep.forward)};
 }
 
-// The gradient with respect to z of act(z), given the gradient g of out =
-// act(z): torch's backward formulas (ATen's silu_backward, gelu_backward,
-// threshold_backward, ...), in the accumulation type.
+// The gradient with respect to z of act(z), given the gradient g of act(z):
+// torch's backward formulas (ATen's silu_backward, gelu_backward,
+// threshold_backward, ...), in the accumulation type; those written in
+// terms of the output (ReLU, tanh, sigmoid) compute it here, where only
+// they pay for it.
 template <typename A>
-__device__ __forceinline__ A activation_gradient(Activation a, A g, A z, A out, A slope) {
+__device__ __forceinline__ A activation_gradient(Activation a, A g, A z, A slope) {
   switch (a) {
     case Activation::SiLU: {
       const A s = logistic(z);
@@ -88,13 +90,17 @@ __device__ __forceinline__ A activation_gradient(Activation a, A g, A z, A out, 
       return g * (A(0.5) * right + left * (A(1) - t * t) * beta * (A(1) + A(3) * kappa * z * z));
     }
     case Activation::ReLU:
-      return out <= A(0) ? A(0) : g;
+      return activation(Activation::ReLU, z, slope) <= A(0) ? A(0) : g;
     case Activation::LeakyReLU:
       return z > A(0) ? g : g * slope;
-    case Activation::Tanh:
+    case Activation::Tanh: {
+      const A out = tanh(z);
       return g * (A(1) - out * out);
-    case Activation::Sigmoid:
+    }
+    case Activation::Sigmoid: {
+      const A out = logistic(z);
       return g * (A(1) - out) * out;
+    }
     case Activation::Hardswish:
       return z < A(-3) ? A(0) : (z <= A(3) ? g * (z / A(3) + A(0.5)) : g);
     case Activation::Mish: {
@@ -115,9 +121,7 @@ __device__ __noinline__ Lanes<A, V> chain_gradient(Lanes<A, V> z, Lanes<A, V> g,
     const Activation a = Activation((chain >> (8 * i)) & 0xffu);
     Lanes<A, V> in = i > 0 ? activate(z, chain, i, slope) : z;
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      g.v[e] = activation_gradient(a, g.v[e], in.v[e], activation(a, in.v[e], slope), slope);
-    }
+    for (int e = 0; e < V; ++e) g.v[e] = activation_gradient(a, g.v[e], in.v[e], slope);
   }
   return g;
 }
@@ -161,13 +165,10 @@ __device__ __forceinline__ void recompute_lanes(const Vec<scalar_t, V>& dy,
   const Epilogue<scalar_t, true>& f = ep.forward;
   if (f.activations == 1 && f.chain == uint32_t(Activation::SiLU)) {
 #pragma unroll
-    for (int e = 0; e < V; ++e) g[e] = activation_gradient(Activation::SiLU, g[e], z[e], A(0), f.slope);
+    for (int e = 0; e < V; ++e) g[e] = activation_gradient(Activation::SiLU, g[e], z[e], f.slope);
   } else if (f.activations == 1 && f.chain == uint32_t(Activation::ReLU)) {
 #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      g[e] = activation_gradient(Activation::ReLU, g[e], z[e],
-                                 activation(Activation::ReLU, z[e], f.slope), f.slope);
-    }
+    for (int e = 0; e < V; ++e) g[e] = activation_gradient(Activation::ReLU, g[e], z[e], f.slope);
   }
 }
 
