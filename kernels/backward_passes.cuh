@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_dx_channe
     const ChannelsLastTile tile(t, t.tiles - 1 - i, C, V);  // reverse, as the contiguous one
     if (!tile.active) continue;
     Coef<A> k[V];
-    Recompute<A> r[V];
+    Recompute<A> r[V]{};  // read by kFused alone
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       const int64_t c = int64_t(tile.col) * V + e;

@@ -95,6 +95,23 @@ BackwardEpilogue<scalar_t, kFused> backward_epilogue(const BackwardArgs& a, acc_
   }
 }
 
+// f(std::integral_constant<int, V>) for the passes' vector width: any width
+// up to 16 bytes for the plain passes; 16 bytes or one element for the
+// fused ones, which choose_backward plans so, each width costing the
+// build a set of heavier kernels.
+template <typename scalar_t, bool kFused, typename F>
+void with_passes_vec(int v, F&& f) {
+  if constexpr (kFused) {
+    constexpr int kWidest = int(16 / sizeof(scalar_t));
+    if (v == kWidest) return f(std::integral_constant<int, kWidest>{});
+    TORCH_CHECK(v == 1, "groupnorm backward: the fused passes take ", kWidest,
+                " elements a vector or one, got ", v);
+    return f(std::integral_constant<int, 1>{});
+  } else {
+    with_vec<scalar_t, 16>(v, std::forward<F>(f));
+  }
+}
+
 // Whether the fused passes take the chain back themselves (recompute_lanes).
 inline bool passes_take_chain(const EpilogueArgs& e) {
   return e.activations == 0 ||
@@ -111,7 +128,7 @@ BackwardArgs with_chain_taken_back(const BackwardPlan& plan, const Problem& p, B
   scalar_t* g = reinterpret_cast<scalar_t*>(alloc.allocate(elements * p.elem, 0));
   const TypedBackward<scalar_t> t(a);
   const auto ep = backward_epilogue<scalar_t, true>(a, nullptr, nullptr);
-  with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
+  with_passes_vec<scalar_t, true>(plan.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
     const int64_t vectors = elements / V;
     launch_kernel(&groupnorm_backward_chain_kernel<scalar_t, V>,
@@ -155,7 +172,7 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
       need_add ? reinterpret_cast<A*>(base + channel_sums_at) : nullptr);
   const TypedBackward<scalar_t> g(a);
   const LaunchShape tiles{plan.grid, kBackwardThreads};
-  with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
+  with_passes_vec<scalar_t, kFused>(plan.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
     if (channels_last) {
       launch_kernel(&groupnorm_backward_sums_channels_last_kernel<scalar_t, V, kFused>, tiles,
@@ -173,7 +190,7 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
                 G, p.HxW, at, ep);
   if (need_affine) launch_affine<scalar_t>(affine_pairs, p, a, stream);
   if (!need_dx) return;
-  with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
+  with_passes_vec<scalar_t, kFused>(plan.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
     if (channels_last) {
       launch_kernel(&groupnorm_backward_dx_channels_last_kernel<scalar_t, V, kFused>, tiles,

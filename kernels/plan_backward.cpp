@@ -77,10 +77,18 @@ bool stream_channels_last_suits(const BackwardPlan& plan, const Problem& p) {
          2 * plan.tiles.chunks <= plan.grid;
 }
 
+// The passes' vector width: the widest that `multiple` and the addresses
+// allow; for the fused backward 16 bytes or else one element, the widths it
+// is built for (with_passes_vec).
+int passes_vector(const Problem& p, int64_t multiple) {
+  const int v = widest_vector(p, {multiple});
+  return p.epilogue && v * p.elem != 16 ? 1 : v;
+}
+
 BackwardPlan passes_contiguous(const Problem& p) {
   BackwardPlan plan;
   plan.kernel = BackwardKernel::Passes;
-  plan.vec = widest_vector(p, {p.HxW});
+  plan.vec = passes_vector(p, p.HxW);
   BackwardTiles& t = plan.tiles;
   t.rows = p.N * p.C;
   t.row_items = p.HxW / plan.vec;
@@ -106,7 +114,7 @@ BackwardPlan passes_contiguous(const Problem& p) {
 BackwardPlan passes_channels_last(const Problem& p) {
   BackwardPlan plan;
   plan.kernel = BackwardKernel::PassesChannelsLast;
-  plan.vec = widest_vector(p, {p.C});
+  plan.vec = passes_vector(p, p.C);
   BackwardTiles& t = plan.tiles;
   const int64_t cols = p.C / plan.vec;
   t.rows = p.N;
