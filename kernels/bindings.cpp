@@ -26,8 +26,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("add") = pybind11::none());
   m.def("backward", &backward, "GroupNorm backward: [dx, dweight, dbias]");
   m.def("register_kernels", &register_kernels,
-        "Registers the CUDA and autograd kernels of <namespace>::forward, ::backward and "
-        "::forward_fused");
+        "Registers the CUDA and autograd kernels of <namespace>::forward, ::backward, "
+        "::forward_fused and ::backward_fused");
   m.def(
       "plan",
       [](const at::Tensor& x, int64_t groups, const std::string& kernel, int64_t team,

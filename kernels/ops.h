@@ -35,10 +35,10 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
                                       const std::vector<int64_t>& activations, double slope,
                                       const c10::optional<at::Tensor>& add);
 
-// Registers forward(), backward() and forward_fused() as the CUDA and
-// autograd kernels of the operators <ns>::forward, ::backward and
-// ::forward_fused, whose schemas the caller has defined (library.cpp). Once
-// per process.
+// Registers forward(), backward(), forward_fused() and backward_fused() as
+// the CUDA and autograd kernels of the operators <ns>::forward, ::backward,
+// ::forward_fused and ::backward_fused, whose schemas the caller has defined
+// (library.cpp). Once per process.
 void register_kernels(const std::string& ns);
 
 // Returns [dx, dweight, dbias]; each is an empty tensor when not asked for.
