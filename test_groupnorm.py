@@ -1557,9 +1557,11 @@ def operators_on_the_cpu():
         centred = total - by_group(mean)
         w = weight if weight is not None else x.new_ones(C)
         b = bias if bias is not None else x.new_zeros(C)
-        m = 1 + scale if scale is not None else x.new_ones(N, C)
+        # scale and shift as (N, C): the operator also takes (N, C, 1, ...)
+        m = 1 + scale.reshape(N, C) if scale is not None else x.new_ones(N, C)
+        t = shift.reshape(N, C) if shift is not None else 0
         a = (by_group(rstd) * (w * m).reshape(per_channel))
-        z = centred * a + (b * m + (shift if shift is not None else 0)).reshape(per_channel)
+        z = centred * a + (b * m + t).reshape(per_channel)
         values = [z]
         for code in activations:
             values.append(ACTIVATION_FORWARD[names[code]](values[-1], slope))
@@ -1622,7 +1624,8 @@ def unfused_group_norm(x, groups, weight, bias, eps=1e-5):
 
 @pytest.mark.parametrize("chain", [[], ["silu"], ["tanh", "hardswish"], ["leaky_relu", "mish"],
                                    ["gelu_tanh", "sigmoid", "relu"]])
-@pytest.mark.parametrize("wanted", ["all", "x", *OPTIONAL_INPUTS, "some absent", "2-D"])
+@pytest.mark.parametrize("wanted", ["all", "x", *OPTIONAL_INPUTS, "some absent", "2-D",
+                                    "(N, C, 1, 1)"])
 def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_cpu, chain, wanted):
     # the C++ fused autograd over the backward operator (on the CPU: the
     # kernels' algebra in torch ops) against torch's autograd of the unfused
@@ -1638,8 +1641,11 @@ def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_c
                   residual=torch.randn_like(x), add=torch.randn(3, 8, dtype=torch.float64))
     if wanted == "some absent":
         values.update(weight=None, shift=None)
+    if wanted == "(N, C, 1, 1)":  # as graphs broadcast them: gradients come back so shaped
+        values.update({k: values[k].reshape(3, 8, 1, 1) for k in ("scale", "shift", "add")})
     present = {k for k, v in values.items() if v is not None}
-    wants = {"all": present, "some absent": present, "2-D": present}.get(wanted, {wanted})
+    wants = {"all": present, "some absent": present, "2-D": present,
+             "(N, C, 1, 1)": present}.get(wanted, {wanted})
     codes = [gn._ACTIVATION_CODES[name] for name in chain]
     dy = torch.randn_like(x)
 
@@ -1653,7 +1659,7 @@ def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_c
         x, weight, bias, 4, 1e-5, scale, shift, residual, codes, 0.2, add)[0])
     steps = tuple(("leaky_relu", 0.2) if n == "leaky_relu" else n for n in chain)
     theirs = gradients(lambda x, weight, bias, scale, shift, residual, add: apply_epilogue(
-        unfused_group_norm(x + add.reshape(add.shape + (1,) * (x.dim() - 2)), 4, weight, bias),
+        unfused_group_norm(x + add.reshape(add.shape[:2] + (1,) * (x.dim() - 2)), 4, weight, bias),
         scale=scale, shift=shift, residual=residual, activation=steps or None))
     for key in wants:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-9, atol=1e-9, msg=key)
