@@ -231,8 +231,7 @@ __global__ void __launch_bounds__(kBackwardThreads,
     }
     const int64_t offset = row * t.row_items * V;
     const Coef<A> k = coef[row];
-    Recompute<A> r{};
-    if constexpr (kFused) r = recompute_of(row / C, row % C, C / D, mean, gamma, ep);
+    const Recompute<A> r = channel_recompute<scalar_t>(row / C, row % C, C / D, D, mean, gamma, ep);
     load_each<backward_unroll<kFused>(), scalar_t, V>(
         begin + lane, end, width, V,
         [&](int64_t j, const VecT& g, const VecT& v) {
