@@ -40,3 +40,11 @@ echo "check_sources: every header guards itself and compiles alone"
 start=$(date +%s)
 "$nvcc" "${flags[@]}" -c extension.cu -o "$work/extension.o"
 echo "check_sources: extension.cu builds as one translation unit ($(( $(date +%s) - start )) s)"
+
+# The KernelBench level-2 #92 solution's own translation units (not part of
+# the library's build).
+start=$(date +%s)
+for unit in kernelbench_92.cpp kernelbench_92.cu; do
+  "$nvcc" "${flags[@]}" -c "$unit" -o "$work/$unit.o"
+done
+echo "check_sources: kernelbench_92.cpp and .cu build ($(( $(date +%s) - start )) s)"
