@@ -3,7 +3,7 @@ models: eager, torch.compile'd, and the solution's ModelNew, on the
 problem's inputs, one GPU.
 
     python benchmarks/bench_kernelbench.py [--problems level1-35 level2-92] [--rounds 5]
-                                           [--json PATH]
+                                           [--json PATH] [--kernels]
 
 Each problem's bundle is written to a temporary file and run as KernelBench
 runs it (exec of its text, which builds its own extension the first time).
@@ -14,6 +14,8 @@ into ModelNew. The contenders alternate for
 contender the median over rounds. Also timed: the level-2 reference's
 cuDNN convolution alone (its first step; the solution computes its own).
 TF32 stays at torch's defaults (matmul and convolution flags printed).
+--kernels: each contender's GPU time per kernel (torch.profiler, the median
+over 20 calls).
 Before timing, each ModelNew's output is checked against the reference at
 KernelBench's tolerance (atol = rtol = 1e-4).
 """
@@ -32,6 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 os.environ.setdefault("GROUPNORM_INLINE_LAZY", "1")  # only the bundles' extensions are used
 import groupnorm_tools as tools  # noqa: E402
+from kernel_times import profile_kernels  # noqa: E402
 # the references as the tests build them (the problems' code)
 from test_groupnorm import kernelbench_models, kernelbench_reference_model  # noqa: E402
 from test_kernelbench_92 import kernelbench_92_reference_model  # noqa: E402
@@ -67,11 +70,18 @@ def contenders(problem, namespace):
     return fns
 
 
+def kernel_breakdown(fn, calls=20):
+    """{kernel name: median GPU ms of its launches times launches per call}."""
+    return {name: statistics.median(t) * len(t) / calls / 1000
+            for name, t in profile_kernels(fn, calls, warmup=1).items()}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--problems", nargs="+", choices=list(PROBLEMS), default=list(PROBLEMS))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--kernels", action="store_true", help="also each contender's time per kernel")
     args = parser.parse_args()
     meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "rounds": args.rounds,
@@ -89,6 +99,10 @@ def main():
                                                                return_mode="median"))
             ms = {name: statistics.median(t) for name, t in times.items()}
             rows.append({"problem": problem, "ms": ms})
+            if args.kernels:
+                rows[-1]["kernels_ms"] = {name: kernel_breakdown(fn) for name, fn in fns.items()}
+                for name, kernels in rows[-1]["kernels_ms"].items():
+                    print(f"  {name}: " + ", ".join(f"{k} {t:.4f}" for k, t in kernels.items()))
             print(f"{problem}: " + ", ".join(f"{name} {t:.4f} ms" for name, t in ms.items()) +
                   f"; eager / ModelNew {ms['eager'] / ms['ModelNew']:.2f}, "
                   f"torch.compile / ModelNew {ms['torch.compile'] / ms['ModelNew']:.2f}",

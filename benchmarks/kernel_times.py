@@ -26,6 +26,22 @@ def kernel_name(event_name):
     return event_name.split("<")[0].split("(")[0].split("::")[-1]
 
 
+def profile_kernels(fn, calls, warmup=50):
+    """{kernel name: [GPU µs of each launch]} over `calls` calls of fn()."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    times = collections.defaultdict(list)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[kernel_name(event.name)].append(event.device_time)
+    return times
+
+
 def main():
     checkout = os.path.abspath(sys.argv[1] if len(sys.argv) > 1 else
                                os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,17 +63,7 @@ def main():
         def backward():
             return extension.backward(dy, x, mean, rstd, w, groups, True, True, "auto", 0)
 
-        for _ in range(50):  # warm-up
-            backward()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(CALLS):
-                backward()
-            torch.cuda.synchronize()
-        times = collections.defaultdict(list)
-        for event in prof.events():
-            if event.device_type == torch.autograd.DeviceType.CUDA:
-                times[kernel_name(event.name)].append(event.device_time)
+        times = profile_kernels(backward, CALLS)
         layout = "channels_last" if channels_last else "contiguous"
         print(f"{'×'.join(map(str, shape))} {str(dtype)[6:]} {layout}: " +
               ", ".join(f"{name} {statistics.median(t):.2f} µs" for name, t in times.items()))
