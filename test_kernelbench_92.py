@@ -184,6 +184,7 @@ def test_gpu_kernelbench_92_matches_the_reference_model(solution, tf32):
     ((1, 4, 33, 140), 128, 7, 32),     # K = 7, two channel blocks, H'xW' not a multiple of 4
     ((2, 1, 3, 3), 16, 3, 1),          # one output pixel, G = 1
     ((1, 8, 10, 10), 1000, 3, 1000),   # G = C, 16 channel blocks
+    ((8, 3, 40, 300), 200, 5, 8),      # CTAs walk several items and reload weights
 ])
 def test_gpu_kernelbench_92_matches_float64(solution, shape, C, K, groups):
     x = torch.rand(shape, device="cuda")
@@ -211,6 +212,19 @@ def test_gpu_kernelbench_92_nan_spreads_as_in_the_reference(solution):
     x = torch.rand(2, 8, 30, 140, device="cuda")
     x[0, 3, 17, 131] = float("nan")
     params = parameters(8, 64, 3)
+    out = run(solution, x, *params, 16)
+    ref = reference(x, *params, 16)
+    assert ref[0].isnan().all() and out[0].isnan().all()
+    assert_as_close_as_torch(out[1:], x[1:], *params, 16)
+
+
+@cuda
+def test_gpu_kernelbench_92_inf_spreads_as_in_the_reference(solution):
+    # an infinite input pixel, one channel a group: the infinity's channel
+    # has a NaN variance, so the whole sample is NaN in the reference too
+    x = torch.rand(2, 4, 9, 140, device="cuda")
+    x[0, 1, 8, 139] = float("inf")
+    params = parameters(4, 16, 1)
     out = run(solution, x, *params, 16)
     ref = reference(x, *params, 16)
     assert ref[0].isnan().all() and out[0].isnan().all()

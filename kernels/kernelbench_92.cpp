@@ -70,11 +70,14 @@ at::Tensor conv_groupnorm_logsumexp(const at::Tensor& x_in, const at::Tensor& co
   int shared_limit = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&shared_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                         x_in.device().index()));
-  const size_t shared_bytes = conv_shared_bytes(int(C_in), int(K));
+  const size_t shared_bytes = conv_shared_bytes(C_in, K);
   TORCH_CHECK(shared_bytes <= size_t(shared_limit),
               message("conv_groupnorm_logsumexp: ", C_in, " input channels with a ", K, " x ", K,
                       " kernel need ", shared_bytes, " bytes of shared memory a block; this ",
                       "device has ", shared_limit));
+  TORCH_CHECK(conv_items(int(N), int(C), int(OH), int(OW)) < (int64_t(1) << 31),
+              message("conv_groupnorm_logsumexp: more than 2^31 work items of the convolution ",
+                      "kernel; got ", x_in.sizes()));
   const auto x = x_in.contiguous();
   const auto weight = conv_weight.contiguous();
   const auto bias = conv_bias.contiguous();

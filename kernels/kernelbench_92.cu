@@ -60,8 +60,12 @@ __device__ __forceinline__ float transpose_sum(float (&v)[kWarp], int lane) {
 // Chan's merge of (count, mean, M2) b into a.
 template <typename A>
 __device__ __forceinline__ void chan_merge(A& count, A& mean, A& m2, A count_b, A mean_b, A m2_b) {
-  const A total = count + count_b;
   if (count_b == 0) return;
+  if (count == 0) {  // a copy: no 0 * inf where b holds an infinity
+    count = count_b, mean = mean_b, m2 = m2_b;
+    return;
+  }
+  const A total = count + count_b;
   const A delta = mean_b - mean;
   mean += delta * (count_b / total);
   m2 += m2_b + delta * delta * (count * count_b / total);
@@ -69,8 +73,8 @@ __device__ __forceinline__ void chan_merge(A& count, A& mean, A& m2, A count_b, 
 }
 
 // Dynamic shared memory of conv_partials_kernel<K>, in floats: the weights,
-// two input tiles, the rows' statistics.
-constexpr int conv_shared_floats(int C_in, int K) {
+// two input tiles, the rows' statistics (64-bit: the host refuses too much).
+constexpr int64_t conv_shared_floats(int64_t C_in, int64_t K) {
   return C_in * K * K * kBlockChannels + 2 * C_in * (kRows + K - 1) * (kTileCols + K - 1) +
          2 * kRows * kBlockChannels;
 }
@@ -303,7 +307,8 @@ __global__ void coefficients_kernel(const float2* __restrict__ partials,  // [N,
     for (int k = first; k < first + D; ++k) {
       chan_merge(count, mean, m2, per_channel, channel_stats[k].x, channel_stats[k].y);
     }
-    const double rstd = 1.0 / sqrt(max(m2 / count, 0.0) + eps);
+    const double var = m2 / count;
+    const double rstd = 1.0 / sqrt((var < 0 ? 0.0 : var) + eps);  // NaN stays NaN
     const double a = double(gamma[c]) * rstd;
     coef[int64_t(n) * s.C + c] = make_float2(float(a), float(double(beta[c]) - mean * a));
   }
@@ -411,13 +416,18 @@ void launch_conv(const Launch& a, const ConvShape& s, cudaStream_t stream) {
 
 }  // namespace kernelbench_92
 
-size_t conv_shared_bytes(int C_in, int K) {
+size_t conv_shared_bytes(int64_t C_in, int64_t K) {
   return sizeof(float) * kernelbench_92::conv_shared_floats(C_in, K);
 }
 
 int64_t conv_tiles(int OH, int OW) {
   using namespace kernelbench_92;
   return int64_t((OH + kRows - 1) / kRows) * ((OW + kTileCols - 1) / kTileCols);
+}
+
+int64_t conv_items(int N, int C, int OH, int OW) {
+  using namespace kernelbench_92;
+  return int64_t(N) * ((C + kBlockChannels - 1) / kBlockChannels) * conv_tiles(OH, OW);
 }
 
 void launch_conv_groupnorm_logsumexp(const Launch& a, cudaStream_t stream) {

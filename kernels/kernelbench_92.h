@@ -35,9 +35,11 @@ struct Launch {
 
 constexpr int kMaxChannels = 1024;  // the coefficients kernel keeps [C] statistics in shared memory
 
-// Shared memory the convolution kernel needs a CTA, and its number of tiles.
-size_t conv_shared_bytes(int C_in, int K);
+// Shared memory the convolution kernel needs a CTA, its number of tiles,
+// and its work items (tiles of each sample and block of channels).
+size_t conv_shared_bytes(int64_t C_in, int64_t K);
 int64_t conv_tiles(int OH, int OW);
+int64_t conv_items(int N, int C, int OH, int OW);
 
 // Launches the three kernels on `stream` (the caller's device current).
 void launch_conv_groupnorm_logsumexp(const Launch& args, cudaStream_t stream);
