@@ -206,29 +206,21 @@ def test_gpu_kernelbench_92_shifted_input(solution):
 
 
 @cuda
-def test_gpu_kernelbench_92_nan_spreads_as_in_the_reference(solution):
-    # one NaN input pixel: its sample's statistics, so all its outputs, are
-    # NaN in the reference; the other sample is untouched
-    x = torch.rand(2, 8, 30, 140, device="cuda")
-    x[0, 3, 17, 131] = float("nan")
-    params = parameters(8, 64, 3)
-    out = run(solution, x, *params, 16)
-    ref = reference(x, *params, 16)
+@pytest.mark.parametrize("shape, pixel, value, C, K, groups", [
+    # NaN: its sample's statistics, so all its outputs, are NaN in the reference
+    ((2, 8, 30, 140), (0, 3, 17, 131), float("nan"), 64, 3, 16),
+    # inf, one channel a group: that channel's variance is NaN, so its sample is
+    ((2, 4, 9, 140), (0, 1, 8, 139), float("inf"), 16, 1, 16),
+])
+def test_gpu_kernelbench_92_non_finite_input_spreads_as_in_the_reference(solution, shape, pixel,
+                                                                          value, C, K, groups):
+    x = torch.rand(shape, device="cuda")
+    x[pixel] = value
+    params = parameters(shape[1], C, K)
+    out = run(solution, x, *params, groups)
+    ref = reference(x, *params, groups)
     assert ref[0].isnan().all() and out[0].isnan().all()
-    assert_as_close_as_torch(out[1:], x[1:], *params, 16)
-
-
-@cuda
-def test_gpu_kernelbench_92_inf_spreads_as_in_the_reference(solution):
-    # an infinite input pixel, one channel a group: the infinity's channel
-    # has a NaN variance, so the whole sample is NaN in the reference too
-    x = torch.rand(2, 4, 9, 140, device="cuda")
-    x[0, 1, 8, 139] = float("inf")
-    params = parameters(4, 16, 1)
-    out = run(solution, x, *params, 16)
-    ref = reference(x, *params, 16)
-    assert ref[0].isnan().all() and out[0].isnan().all()
-    assert_as_close_as_torch(out[1:], x[1:], *params, 16)
+    assert_as_close_as_torch(out[1:], x[1:], *params, groups)  # the other sample untouched
 
 
 @cuda
