@@ -2,10 +2,12 @@
 plain GroupNorm on the same input, and against torch.compile of the unfused
 torch sequence (GroupNorm then the activation), which Inductor fuses itself.
 
-    python benchmarks/bench_epilogue.py [--quick] [--rounds 3] [--no-compile] [--backward]
-                                        [--json PATH]
+    python benchmarks/bench_epilogue.py [--quick] [--rows NAME,...] [--shape SPEC ...]
+                                        [--rounds 3] [--no-compile] [--backward] [--json PATH]
 
-One process, one GPU, the benchmark suite's forward rows. Per row the
+One process, one GPU, the benchmark suite's forward rows (--quick: its
+quick rows; --rows: the rows of those names), and any --shape
+NxCxHxW/G/dtype/layout (e.g. 512x1280x8x8/32/bfloat16/contiguous). Per row the
 contenders alternate for --rounds rounds; each time is a median of
 triton.testing.do_bench, or, for every contender of a row whose plain
 forward takes under 0.05 ms, of CUDA-graph replays (ab_compare.graph_ms:
@@ -113,9 +115,19 @@ def run_backward_row(name, shape, groups, dtype, layout, rounds, budget):
             "pass": "backward", "ms": ms, "rounds": times}
 
 
+def shape_row(spec):
+    """A --shape row, as the suite's: NxCxHxW/G/dtype/layout."""
+    dims, groups, dtype, layout = spec.split("/")
+    shape = tuple(int(d) for d in dims.split("x"))
+    return (f"shape {dims}", shape, int(groups), getattr(torch, dtype), layout)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="the suite's quick rows only")
+    parser.add_argument("--rows", help="the suite's rows of these names only (comma-separated)")
+    parser.add_argument("--shape", action="append", default=[], type=shape_row,
+                        help="one more row: NxCxHxW/G/dtype/layout")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile's SiLU")
     parser.add_argument("--backward", action="store_true",
@@ -127,9 +139,12 @@ def main(argv=None):
     epilogues = ["silu", "gelu", "tanh,hardswish", "scale_shift_silu", "add_silu"]
     print(f"{'row':<58} {'plain ms':>9} " + " ".join(f"{e:>16}" for e in epilogues)
           + f" {'compile/ours':>12}")
-    for case in SUITE:
-        if args.quick and case[0] not in QUICK:
-            continue
+    names = set(args.rows.split(",")) if args.rows else None
+    suite = [case for case in SUITE if (not args.quick or case[0] in QUICK) and
+             (names is None or case[0] in names)]
+    if args.shape and not (args.quick or names):
+        suite = []  # the given shapes alone
+    for case in suite + args.shape:
         row = (run_backward_row(*case, args.rounds, budget) if args.backward else
                run_row(*case, args.rounds, not args.no_compile, budget))
         rows.append(row)

@@ -1,0 +1,109 @@
+"""Which forward kernel serves a fused call fastest: per shape, our plain
+forward (automatic plan) against SiLU through each kernel forced (the
+registers kernel alone and in clusters of 2 and 4, the team kernel of the
+input's layout, the stream kernel) and the automatic plan, and the (N, C)
+add with SiLU through the registers and team kernels. Each time over the
+plain forward's.
+
+    python benchmarks/sweep_fused_kernels.py [--rounds 3] [--json PATH]
+
+One process, one GPU; the contenders alternate for --rounds rounds, each
+time a median of CUDA-graph replays (ab_compare.graph_ms) for rows whose
+plain forward takes under 0.05 ms, else of do_bench. A kernel that refuses
+a shape is left out of its row. The rows are the small shapes where the
+registers kernel and the team kernels compete.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+import triton.testing
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import groupnorm_inline as gn  # noqa: E402
+from ab_compare import graph_ms  # noqa: E402
+from bench_epilogue import GRAPH_BELOW_MS, bench_ms  # noqa: E402
+from bench_groupnorm import make_inputs, rotating  # noqa: E402
+
+F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
+ROWS = [  # (shape, groups, dtype, layout)
+    ((2, 320, 64, 64), 32, F16, "contiguous"), ((2, 320, 64, 64), 32, F16, "channels_last"),
+    ((2, 1280, 16, 16), 32, F16, "contiguous"), ((2, 1280, 16, 16), 32, F16, "channels_last"),
+    ((8, 1280, 8, 8), 32, BF16, "contiguous"), ((8, 1280, 8, 8), 32, BF16, "channels_last"),
+    ((1, 64, 32, 32), 32, F16, "contiguous"), ((4, 32, 8, 8), 8, F32, "contiguous"),
+    ((2, 640, 32, 32), 32, F16, "contiguous"), ((2, 640, 32, 32), 32, F16, "channels_last"),
+    ((4, 512, 64, 64), 32, F16, "contiguous"),
+    ((512, 1280, 8, 8), 32, BF16, "contiguous"), ((64, 1280, 8, 8), 32, F16, "channels_last"),
+]
+
+
+def contenders(layout, temb):
+    """{name: groupnorm_cuda keyword arguments}."""
+    team = layout  # the team kernel of the input's layout
+    silu = dict(activation="silu")
+    return {"plain": {}, "silu auto": silu, "silu registers": dict(silu, kernel="registers"),
+            "silu team": dict(silu, kernel=team), "silu stream": dict(silu, kernel="stream"),
+            "silu registers r2": dict(silu, kernel="registers", team=2),
+            "silu registers r4": dict(silu, kernel="registers", team=4),
+            "add_silu registers": dict(silu, add=temb, kernel="registers"),
+            "add_silu team": dict(silu, add=temb, kernel=team)}
+
+
+def run_row(shape, groups, dtype, layout, rounds, budget):
+    inputs = make_inputs(shape, dtype, layout, budget)
+    C, N = shape[1], shape[0]
+    w, b = (torch.randn(C, device="cuda", dtype=dtype) for _ in range(2))
+    temb = torch.randn(N, C, device="cuda", dtype=dtype)
+    usable = {}
+    for name, kw in contenders(layout, temb).items():
+        try:
+            gn.groupnorm_cuda(inputs[0], w, b, groups, **kw)
+        except (ValueError, RuntimeError):  # the kernel refuses this shape
+            continue
+        usable[name] = kw
+    plain = rotating(lambda t: gn.groupnorm_cuda(t, w, b, groups), inputs)
+    timer = graph_ms if bench_ms(plain) < GRAPH_BELOW_MS else bench_ms
+    times = {}
+    with torch.no_grad():
+        for _ in range(rounds):
+            for name, kw in usable.items():
+                fn = rotating(lambda t, kw=kw: gn.groupnorm_cuda(t, w, b, groups, **kw), inputs)
+                times.setdefault(name, []).append(timer(fn))
+    plans = {name: gn.plan(inputs[0], groups, kernel=kw.get("kernel", "auto"), team=kw.get("team", 0),
+                           fused=name != "plain")
+             for name, kw in usable.items()}
+    del inputs
+    torch.cuda.empty_cache()
+    return {"shape": list(shape), "G": groups, "dtype": str(dtype)[6:], "layout": layout,
+            "ms": {k: statistics.median(v) for k, v in times.items()}, "rounds": times, "plans": plans}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+    budget = torch.cuda.get_device_properties(0).total_memory // 4
+    rows = []
+    for shape, groups, dtype, layout in ROWS:
+        row = run_row(shape, groups, dtype, layout, args.rounds, budget)
+        rows.append(row)
+        ms = row["ms"]
+        print(f"{'x'.join(map(str, shape))} {row['dtype']} {layout}: plain {ms['plain']:.4f} ms | " +
+              " ".join(f"{k}={v / ms['plain']:.3f}" for k, v in ms.items() if k != "plain"), flush=True)
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "cuda": torch.version.cuda, "rounds": args.rounds}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
