@@ -62,15 +62,12 @@ _EMBEDDED_TOOLS = None  # replaced by `bundle`
 
 _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in globals() else None
 # The extension is compiled as separate translation units, in parallel: the
-# host code, the Python module, and each kernel family once per dtype (the
-# large forward families and the backward once without the epilogue and
-# once with it).
+# host code, the Python module, and each kernel family once per dtype and
+# epilogue switch (without the epilogue, with it).
 _HOST_UNITS = ["device.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp", "library.cpp",
                "bindings.cpp"]
 _KERNEL_UNITS = ["launch_forward_small.cu", "launch_forward_team.cu", "launch_forward_stream.cu",
                  "launch_forward_stream_channels_last.cu", "launch_backward.cu"]
-_EPILOGUE_UNITS = {"launch_forward_team.cu", "launch_forward_stream.cu",
-                   "launch_forward_stream_channels_last.cu", "launch_backward.cu"}
 _UNIT_DTYPES = {"float": "float", "double": "double", "half": "c10::Half",
                 "bfloat16": "c10::BFloat16"}
 # Everything but the Python module as one translation unit, and the
@@ -141,17 +138,14 @@ def _arch_list():
 
 def _dtype_units(family):
     """{file stem: text} of a kernel family's translation units: one per
-    dtype, and per epilogue switch for the families in _EPILOGUE_UNITS."""
+    dtype and epilogue switch."""
     units = {}
     for dtype, type_name in _UNIT_DTYPES.items():
-        head = f"#define GROUPNORM_DTYPES(X) X({type_name})\n"
-        include = f"#include \"{family}\"\n"
-        if family in _EPILOGUE_UNITS:
-            for suffix, fused in (("", "false"), ("_epilogue", "true")):
-                epilogues = f"#define GROUPNORM_EPILOGUES(X, T) X(T, {fused})\n"
-                units[f"{family[:-3]}_{dtype}{suffix}"] = head + epilogues + include
-        else:
-            units[f"{family[:-3]}_{dtype}"] = head + include
+        for suffix, fused in (("", "false"), ("_epilogue", "true")):
+            units[f"{family[:-3]}_{dtype}{suffix}"] = (
+                f"#define GROUPNORM_DTYPES(X) X({type_name})\n"
+                f"#define GROUPNORM_EPILOGUES(X, T) X(T, {fused})\n"
+                f"#include \"{family}\"\n")
     return units
 
 
@@ -1000,12 +994,14 @@ def _kernels_loaded():
     return True
 
 
-def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False):
+def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False, fused=False, activation=None):
     """The kernel groupnorm_cuda would run for x with these forcing arguments
     (see groupnorm_cuda), its parameters, and why: a dict, as the extension
-    returns it. A call with an epilogue (scale, shift, activation, residual)
-    never takes the registers kernel, which has none, and a residual whose
-    address allows narrower vectors than x's narrows them.
+    returns it. fused=True or an `activation` (as group_norm's): the plan of
+    a call with an epilogue (scale, shift, residual, an (N, C) add, the
+    activation); a chain other than SiLU or ReLU alone never takes the
+    registers kernel, which has no call for one. A residual whose address
+    allows narrower vectors than x's narrows them.
 
     With backward=True, the backward's kernel and tiling for x (and a
     grad_output laid out like it, dx wanted): there kernel is "auto",
@@ -1018,7 +1014,8 @@ def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False):
             raise GroupNormError(f"plan: the backward has no teams, got team={team} "
                                  "(its stream kernel's lag is `lag`)")
         return load().backward_plan(x, groups, kernel, lag)
-    return load().plan(x, groups, kernel, team, lag)
+    codes = [_ACTIVATION_CODES[name] for name, _ in _activation_steps("plan", activation)]
+    return load().plan(x, groups, kernel, team, lag, bool(fused), codes)
 
 
 def _takes_cuda_path(input, weight, bias, *others):

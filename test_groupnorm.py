@@ -296,8 +296,8 @@ def test_forcing_arguments_reach_the_extension(monkeypatch):
             calls.append(("forward", kernel, team, lag))
             return x.clone(), None, None
 
-        def plan(self, x, groups, kernel, team, lag):
-            calls.append(("plan", kernel, team, lag))
+        def plan(self, x, groups, kernel, team, lag, epilogue, activations):
+            calls.append(("plan", kernel, team, lag, epilogue, activations))
             return {"kernel": "contiguous"}
 
         def backward_plan(self, x, groups, kernel, lag):
@@ -311,9 +311,13 @@ def test_forcing_arguments_reach_the_extension(monkeypatch):
     gn.groupnorm_cuda(x, None, None, 2, kernel="stream", lag=5)
     assert gn.plan(x, 2, kernel="channels_last", team=4) == {"kernel": "contiguous"}
     assert gn.plan(x, 2, kernel="stream", lag=7, backward=True) == {"kernel": "stream"}
+    gn.plan(x, 2, fused=True)
+    gn.plan(x, 2, activation=("silu", ("leaky_relu", 0.1)))
+    silu, leaky = (gn._ACTIVATION_CODES[name] for name in ("silu", "leaky_relu"))
     assert calls == [("forward", "auto", 0, 0), ("forward", "contiguous", 3, 0),
-                     ("forward", "stream", 0, 5), ("plan", "channels_last", 4, 0),
-                     ("backward_plan", "stream", 7)]
+                     ("forward", "stream", 0, 5), ("plan", "channels_last", 4, 0, False, []),
+                     ("backward_plan", "stream", 7), ("plan", "auto", 0, 0, True, []),
+                     ("plan", "auto", 0, 0, False, [silu, leaky])]
     with pytest.raises(ValueError, match="the backward has no teams"):
         gn.plan(x, 2, team=2, backward=True)
     with pytest.raises(ValueError, match="no gradients"):
@@ -1141,6 +1145,14 @@ EPILOGUES = [
     ("all", dict(scale=True, shift=True, activation=(("leaky_relu", 0.3), "silu", "gelu_tanh"),
                  residual=True)),
 ]
+# every option the registers kernel takes at once: no called chain there
+INLINE_ALL = dict(scale=True, shift=True, activation="silu", residual=True)
+
+
+def inline_chain(activation):
+    """SiLU or ReLU alone, or no activation: the chains every fused kernel
+    applies inline, the registers kernel's only ones."""
+    return activation in (None, "silu", "relu", ("silu",), ("relu",))
 
 
 def epilogue_tensors(x, options, scale_shape=None):
@@ -2526,6 +2538,37 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
 
 
 @cuda
+def test_gpu_fused_plan_takes_registers_kernel_for_small_groups():
+    # A call with an epilogue takes the registers kernel for groups of at
+    # most 4096 vectors in one CTA, with threads for one vector each where
+    # the units are few (at most two an SM) and the plain call's threads
+    # otherwise; larger groups and clusters take the team kernels, and so
+    # does any activation chain but SiLU or ReLU alone (no call there).
+    deep = make_input((2, 1280, 16, 16), torch.float16, "contiguous", "cuda", shift=1000.0)
+    plain = gn.plan(deep, 32)
+    for options in (dict(activation="silu"), dict(activation=("relu",)), dict(fused=True)):
+        fused = gn.plan(deep, 32, **options)
+        assert fused["kernel"] == "registers" and fused["threads"] == 512 > plain["threads"], \
+            (options, fused, plain)
+    w, b = affine(1280, deep.dtype, "cuda", "both")
+    check_epilogue(deep, 32, w, b, epilogue_tensors(deep, INLINE_ALL))
+    check_epilogue(deep, 32, w, b, dict(add=torch.randn(2, 1280, device="cuda").half(),
+                                        activation="silu"))
+    assert gn.plan(deep, 32, activation="gelu")["kernel"] == "contiguous"
+    assert gn.plan(deep, 32, activation=("silu", "relu"))["kernel"] == "contiguous"
+    with pytest.raises(ValueError, match="takes no activation but SiLU or ReLU alone"):
+        gn.plan(deep, 32, kernel="registers", activation="gelu")
+    many = torch.empty(512, 1280, 8, 8, device="cuda", dtype=torch.bfloat16)  # 16384 units
+    assert gn.plan(many, 32, activation="silu") == gn.plan(many, 32)
+    # 5120 vectors a group (SD UNet): the plain call's registers kernel, the
+    # fused call's team kernel; the channels-last twin's cluster likewise
+    for layout in LAYOUTS:
+        unet = make_input((2, 320, 64, 64), torch.float16, layout, "cuda")
+        assert gn.plan(unet, 32)["kernel"] == "registers" or layout == "channels_last"
+        assert gn.plan(unet, 32, activation="silu")["kernel"] == layout, gn.plan(unet, 32, fused=True)
+
+
+@cuda
 def test_gpu_plan_chooses_multi_cta_teams_for_large_groups():
     x = torch.randn(2, 64, 256, 256, device="cuda")
     plan = gn.plan(x, 2)
@@ -3901,17 +3944,21 @@ def test_gpu_epilogue_forced_paths(case):
     # every option and their combination on every forced kernel path
     shape, groups, dtype, layout, kernel, n = case
     x, _, force = forced_input(case)
-    if kernel == "registers":  # it takes no epilogue (kernels/epilogue.cuh): refused, not bypassed
-        with pytest.raises(ValueError, match="the registers kernel takes no epilogue"):
-            gn.groupnorm_cuda(x, None, None, groups, kernel=kernel, activation="silu")
-        return
     before = x.clone()
     for _, options in EPILOGUES:
         w, b = affine(shape[1], dtype, "cuda", "both")
-        check_epilogue(x, groups, w, b, epilogue_tensors(x, options), kernel=kernel, **force)
+        args = epilogue_tensors(x, options)
+        if kernel == "registers" and not inline_chain(options.get("activation")):
+            # no call of a chain in that kernel (kernels/epilogue.cuh): refused, not bypassed
+            with pytest.raises(ValueError, match="takes no activation but SiLU or ReLU alone"):
+                gn.groupnorm_cuda(x, w, b, groups, kernel=kernel, **force, **args)
+            continue
+        check_epilogue(x, groups, w, b, args, kernel=kernel, **force)
     assert torch.equal(x, before), "input was modified"
-    # the statistics do not depend on the epilogue
-    args = epilogue_tensors(x, dict(EPILOGUES)["all"])
+    # the statistics do not depend on the epilogue where the plan does not:
+    # a fused call on few units gives the registers kernel other threads
+    # (plan_forward.cpp), which add in another order
+    args = epilogue_tensors(x, dict(EPILOGUES)["all"] if kernel != "registers" else INLINE_ALL)
     epilogue = gn._check_epilogue("test", x, args["scale"], args["shift"], args["activation"],
                                   args["residual"])
     ext = gn.load()
@@ -3919,7 +3966,13 @@ def test_gpu_epilogue_forced_paths(case):
     fused = ext.forward_fused(x, w, b, groups, 1e-5, kernel, force.get("team", 0),
                               force.get("lag", 0), epilogue.scale, epilogue.shift,
                               epilogue.residual, epilogue.codes(), epilogue.slope())
-    assert torch.equal(plain[1], fused[1]) and torch.equal(plain[2], fused[2])
+    forcing = dict(kernel=kernel, team=force.get("team", 0), lag=force.get("lag", 0))
+    if gn.plan(x, groups, **forcing) == gn.plan(x, groups, activation=args["activation"], **forcing):
+        assert torch.equal(plain[1], fused[1]) and torch.equal(plain[2], fused[2])
+    else:
+        tight = dict(rtol=1e-12, atol=0) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fused[1], plain[1], **tight)
+        torch.testing.assert_close(fused[2], plain[2], **tight)
 
 
 @cuda
@@ -3931,8 +3984,6 @@ def test_gpu_add_prologue_equals_the_add_first(case):
     # kernel then sees the same values in the same order. The input and add
     # are left as they were.
     shape, groups, dtype, layout, kernel, n = case
-    if kernel == "registers":  # it takes no prologue either
-        return
     x, _, force = forced_input(case)
     add = torch.randn(shape[:2], device="cuda").to(dtype)
     w, b = affine(shape[1], dtype, "cuda", "both")
@@ -4257,9 +4308,9 @@ BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float6
 # comment names, which the rest of the GPU tests never reach (what
 # tools/kernel_coverage.py reports). Template arguments: stream kernels
 # <T, V, kEachMerges, kFused>, team kernels <T, V, kFused>, the reference
-# kernel <T, kFused>, the registers kernel <T, V, items a thread>, the
+# kernel <T, kFused>, the registers kernel <T, V, items a thread, kFused>, the
 # backward's <T, V>; * is both values: a forward row runs plain and with every
-# epilogue option at once (the registers kernel takes none). V is the widest
+# epilogue option at once (in the registers kernel, SiLU for the chain). V is the widest
 # vector of at most 16 bytes that divides HxW (contiguous), C / G (the
 # channels-last stream kernels) or C (the channels-last passes and team
 # kernel, whose vectors are 8 bytes unless a row of them would need more than
@@ -4323,7 +4374,7 @@ UNLAUNCHED_ELSEWHERE = [  # (direction, shape, groups, dtypes, layout, kernel, l
     ("forward", (2, 670, 5, 3), 67, (F64,), "channels_last", "channels_last", 0, dict(vec=2, blocks=1)),
     # groupnorm_forward_reference_kernel<double, true>
     ("forward", (2, 6, 5, 7), 3, (F64,), "contiguous", "reference", 0, dict()),
-    # groupnorm_forward_registers_kernel<Half, 4, 16>: 4104 vectors in 512 threads
+    # groupnorm_forward_registers_kernel<Half, 4, 16, *>: 4104 vectors in 512 threads
     ("forward", (2, 16, 36, 57), 2, (F16,), "contiguous", "registers", 0, dict(vec=4, items=16, ranks=1)),
     # groupnorm_backward_{sums,dx}_channels_last_kernel<T, 1>: odd C
     ("backward", (2, 15, 9, 11), 5, (BF16, F64), "channels_last", "passes", 0, dict(vec=1)),
@@ -4374,6 +4425,6 @@ def test_gpu_instantiations_no_other_test_launches(case):
         return
     check_against_reference(x, groups, w, b, kernel=kernel, **force)
     check_saved_statistics(x, groups, kernel, **force)
-    if kernel != "registers":  # the only kernel without an epilogue (kernels/epilogue.cuh)
-        check_epilogue(x, groups, w, b, epilogue_tensors(x, dict(EPILOGUES)["all"]), kernel=kernel,
-                       **force)
+    # the registers kernel takes no called chain (kernels/epilogue.cuh): SiLU inline there
+    options = dict(EPILOGUES)["all"] if kernel != "registers" else INLINE_ALL
+    check_epilogue(x, groups, w, b, epilogue_tensors(x, options), kernel=kernel, **force)

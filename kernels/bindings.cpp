@@ -31,8 +31,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def(
       "plan",
       [](const at::Tensor& x, int64_t groups, const std::string& kernel, int64_t team,
-         int64_t lag) { return as_dict(forward_plan(x, groups, kernel, team, lag)); },
-      "The forward's plan for x, as a dict");
+         int64_t lag, bool epilogue, const std::vector<int64_t>& activations) {
+        return as_dict(forward_plan(x, groups, kernel, team, lag, epilogue, activations));
+      },
+      "The forward's plan for x (with an epilogue, or an activation chain's codes), as a dict",
+      pybind11::arg("x"), pybind11::arg("groups"), pybind11::arg("kernel"), pybind11::arg("team"),
+      pybind11::arg("lag"), pybind11::arg("epilogue") = false,
+      pybind11::arg("activations") = std::vector<int64_t>{});
   m.def(
       "backward_plan",
       [](const at::Tensor& x, int64_t groups, const std::string& kernel, int64_t lag) {

@@ -17,9 +17,9 @@
 //    called function (activate).
 //  - the residual is read at the element offset y is written at (same
 //    layout), in the store's vector width, and added last.
-// The registers kernel takes no epilogue: with the epilogue's code it needed
-// up to 73 registers instead of 40; the planner gives calls with an epilogue
-// another kernel.
+// The registers kernel takes the inline forms alone (no called chain): with
+// the call it needed up to 73 registers instead of 40; the planner gives
+// calls with a chain another kernel.
 #pragma once
 
 #include <cmath>
@@ -49,8 +49,8 @@ struct Epilogue<scalar_t, true> {
 
 // The prologue: s = x + add[nc], rounded to scalar_t as torch's add rounds,
 // what the kernels normalise in place of x; x itself without an add. The
-// team and reference kernels take it; the planner gives calls with an add
-// no other kernel (ops.cpp forms s by a separate add for the rest).
+// channels-last stream and team plans that keep less than their slice get s
+// from a separate add instead (forward_fused in ops.cpp).
 template <typename scalar_t, bool kFused>
 __device__ __forceinline__ bool has_add(const Epilogue<scalar_t, kFused>& ep) {
   if constexpr (kFused) {
@@ -268,8 +268,10 @@ __device__ __forceinline__ Vec<scalar_t, V> load_residual(const scalar_t* p) {
 }
 
 // Writes y[at, at + V) from the affine values v: the activation chain, the
-// residual at the same offset, then the rounding to scalar_t.
-template <typename scalar_t, int V, bool kFused>
+// residual at the same offset, then the rounding to scalar_t. kCalls: whether
+// a chain other than SiLU or ReLU alone may come, through the call; a kernel
+// built without it is never planned for one (EpilogueArgs::inline_chain).
+template <typename scalar_t, int V, bool kFused, bool kCalls = true>
 __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t at,
                                              acc_t<scalar_t> (&v)[V],
                                              const Epilogue<scalar_t, kFused>& ep) {
@@ -284,12 +286,16 @@ __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t a
 #pragma unroll
       for (int e = 0; e < V; ++e) v[e] = activation(Activation::ReLU, v[e], ep.slope);
     } else if (ep.activations > 0) {
-      Lanes<A, V> l;
+      if constexpr (kCalls) {
+        Lanes<A, V> l;
 #pragma unroll
-      for (int e = 0; e < V; ++e) l.v[e] = v[e];
-      l = activate(l, ep.chain, ep.activations, ep.slope);
+        for (int e = 0; e < V; ++e) l.v[e] = v[e];
+        l = activate(l, ep.chain, ep.activations, ep.slope);
 #pragma unroll
-      for (int e = 0; e < V; ++e) v[e] = l.v[e];
+        for (int e = 0; e < V; ++e) v[e] = l.v[e];
+      } else {
+        __trap();  // a planning error: loud, never a wrong answer
+      }
     }
     if (ep.residual != nullptr) {
       const Vec<scalar_t, V> r = load_residual<scalar_t, V>(ep.residual + at);

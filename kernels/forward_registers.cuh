@@ -17,6 +17,12 @@
 // part, publishes the sum in its shared memory, and every CTA adds the
 // cluster's sums in rank order through distributed shared memory, so all of
 // them normalise with the same bits. Still one read of x and no workspace.
+//
+// With kFused it also takes the epilogue's inline forms (epilogue.cuh): the
+// (N, C) add as it loads x, scale and shift folded into the channel affine,
+// SiLU or ReLU alone, the residual. Not the called activation chains: their
+// call costs every caller saved registers, which this kernel, sized for four
+// CTAs an SM, has none to spare for (the planner gives them other kernels).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -58,7 +64,7 @@ __device__ __forceinline__ void cluster_barrier(int ranks) {
 #endif
 }
 
-template <typename scalar_t, int V, int K>
+template <typename scalar_t, int V, int K, bool kFused>
 __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_registers_kernel(
     const scalar_t* __restrict__ x,      // [N, C, HxW] or [N, HxW, C]
     const scalar_t* __restrict__ gamma,  // [C] or nullptr
@@ -66,6 +72,7 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
     scalar_t* __restrict__ y,            // x's layout
     acc_t<scalar_t>* __restrict__ mean,  // [N, G]
     acc_t<scalar_t>* __restrict__ rstd,  // [N, G]
+    const Epilogue<scalar_t, kFused> ep,  // no called chain (the planner)
     int64_t units, int HxW, int64_t C, int G, int D, bool channels_last, int ranks,
     acc_t<scalar_t> eps) {
   using A = acc_t<scalar_t>;
@@ -102,12 +109,29 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
     const int g = int(unit - n * G);
     const int64_t base = channels_last ? n * HxW * C + int64_t(g) * D : unit * L;
     const scalar_t* xs = x + base;
+    // Vector i's first channel in its group: a contiguous vector lies in one
+    // channel, a channels-last one spans V.
+    const auto channel = [&](int i) -> int64_t {
+      return channels_last ? (i % cols) * V : i * V / HxW;
+    };
 
     Raw raw[K];
 #pragma unroll
     for (int k = 0; k < K; ++k) {
       const int i = first + k * step;
       if (i < nvec) raw[k] = *reinterpret_cast<const Raw*>(xs + offset(i));
+    }
+    if (has_add(ep)) {  // hold s = x + add in place of x
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        const int i = first + k * step;
+        if (i >= nvec) continue;
+        const int64_t nc = n * C + int64_t(g) * D + channel(i);
+        VecT s = as_vec<VecT>(raw[k]);
+#pragma unroll
+        for (int e = 0; e < V; ++e) s.val[e] = pre_norm(s.val[e], channels_last ? nc + e : nc, ep);
+        raw[k] = as_vec<Raw>(s);
+      }
     }
     // Calls f(value) for every element this thread holds.
     const auto for_each_held = [&](auto f) {
@@ -121,7 +145,7 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
       }
     };
     // Summing x - x[0] keeps the float sum small for inputs far from zero.
-    const A shift = static_cast<A>(xs[0]);
+    const A shift = static_cast<A>(pre_norm(xs[0], n * C + int64_t(g) * D, ep));
     A sum = 0;
     for_each_held([&](A value) { sum += value - shift; });
     const A mu =
@@ -141,17 +165,30 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
       const int i = first + k * step;
       if (i >= nvec) continue;
       const VecT v = as_vec<VecT>(raw[k]);
-      VecT out;
-      if (!channels_last) {  // a vector lies in one channel
-        out = normalise_vec<scalar_t, V>(v, mu,
-                                         channel_affine(c_first + i * V / HxW, rs, gamma, beta));
-      } else {  // a vector spans V channels
-        const int64_t c = c_first + (i % cols) * V;
+      const int64_t c = c_first + channel(i);
+      if constexpr (kFused) {
+        A out[V];
+        if (!channels_last) {
+          const ChannelAffine<A> f = channel_affine(n, c, rs, gamma, beta, ep);
 #pragma unroll
-        for (int e = 0; e < V; ++e)
-          out.val[e] = normalise(v.val[e], mu, channel_affine(c + e, rs, gamma, beta));
+          for (int e = 0; e < V; ++e) out[e] = affine_value(v.val[e], mu, f);
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e)
+            out[e] = affine_value(v.val[e], mu, channel_affine(n, c + e, rs, gamma, beta, ep));
+        }
+        store_output<scalar_t, V, kFused, false>(y, base + offset(i), out, ep);
+      } else {
+        VecT out;
+        if (!channels_last) {
+          out = normalise_vec<scalar_t, V>(v, mu, channel_affine(c, rs, gamma, beta));
+        } else {
+#pragma unroll
+          for (int e = 0; e < V; ++e)
+            out.val[e] = normalise(v.val[e], mu, channel_affine(c + e, rs, gamma, beta));
+        }
+        store_vec_streaming<scalar_t, V>(y + base + offset(i), out);
       }
-      store_vec_streaming<scalar_t, V>(y + base + offset(i), out);
     }
     // The cluster's slots are read: they may be reused or freed.
     cluster_barrier<kClustered>(ranks);

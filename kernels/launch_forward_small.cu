@@ -7,19 +7,19 @@
 namespace groupnorm {
 
 // The registers kernel holding `items` vectors a thread.
-template <typename scalar_t, int V>
+template <typename scalar_t, int V, bool kFused>
 auto registers_kernel_of(int items) {
   return items == kRegistersFewItems
-             ? &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersFewItems>
-             : &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersManyItems>;
+             ? &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersFewItems, kFused>
+             : &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersManyItems, kFused>;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 const void* registers_kernel(int vec, int items) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
-    kernel =
-        reinterpret_cast<const void*>(registers_kernel_of<scalar_t, decltype(v)::value>(items));
+    kernel = reinterpret_cast<const void*>(
+        registers_kernel_of<scalar_t, decltype(v)::value, kFused>(items));
   });
   return kernel;
 }
@@ -36,8 +36,9 @@ void launch_reference(const ForwardPlan& plan, const Problem& p, const ForwardAr
                 stride_c, stride_s, f.eps);
 }
 
-// No epilogue: the planner gives a call with one another kernel.
-template <typename scalar_t>
+// The epilogue's inline forms alone (kFused): the planner gives a called
+// chain another kernel.
+template <typename scalar_t, bool kFused>
 void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream) {
   const TypedForward<scalar_t> f(a);
@@ -45,22 +46,22 @@ void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardAr
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
     LaunchShape shape{plan.grid, plan.threads};
     shape.cluster = r.ranks;
-    launch_kernel(registers_kernel_of<scalar_t, decltype(v)::value>(r.items), shape, stream, f.x,
-                  f.gamma, f.beta, f.y, f.mean, f.rstd, plan.units, int(p.HxW), p.C, p.G,
+    launch_kernel(registers_kernel_of<scalar_t, decltype(v)::value, kFused>(r.items), shape,
+                  stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
+                  f.template epilogue_for<kFused>(), plan.units, int(p.HxW), p.C, p.G,
                   int(p.D()), p.channels_last, r.ranks, f.eps);
   });
 }
 
-// The reference kernel with and without the epilogue in one unit: it is small.
-#define GROUPNORM_INSTANTIATE_SMALL(T)                                                             \
-  template const void* registers_kernel<T>(int, int);                                              \
-  template void launch_reference<T, false>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
-                                           cudaStream_t);                                          \
-  template void launch_reference<T, true>(const ForwardPlan&, const Problem&, const ForwardArgs&,  \
-                                          cudaStream_t);                                           \
-  template void launch_registers<T>(const ForwardPlan&, const Problem&, const ForwardArgs&,        \
-                                    cudaStream_t);
-GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_SMALL)
+#define GROUPNORM_INSTANTIATE_SMALL(T, F)                                                   \
+  template const void* registers_kernel<T, F>(int, int);                                    \
+  template void launch_reference<T, F>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
+                                       cudaStream_t);                                       \
+  template void launch_registers<T, F>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
+                                       cudaStream_t);
+#define GROUPNORM_INSTANTIATE_SMALLS(T) GROUPNORM_EPILOGUES(GROUPNORM_INSTANTIATE_SMALL, T)
+GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_SMALLS)
+#undef GROUPNORM_INSTANTIATE_SMALLS
 #undef GROUPNORM_INSTANTIATE_SMALL
 
 }  // namespace groupnorm

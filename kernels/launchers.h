@@ -34,6 +34,12 @@ struct EpilogueArgs {
     return add != nullptr || scale != nullptr || shift != nullptr || residual != nullptr ||
            activations > 0;
   }
+  // No activation, or SiLU or ReLU alone: what the kernels apply inline,
+  // without calling `activate` (epilogue.cuh), the registers kernel too.
+  bool inline_chain() const {
+    return activations == 0 ||
+           (activations == 1 && (chain[0] == Activation::SiLU || chain[0] == Activation::ReLU));
+  }
 };
 
 // Pointers of one forward call, typed by the launcher: x, y in the input's
@@ -74,7 +80,7 @@ struct BackwardArgs {
 // kFused: the forward kernel with the epilogue (epilogue.cuh).
 template <typename scalar_t, bool kFused>
 const void* team_kernel(bool channels_last, int vec);
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 const void* registers_kernel(int vec, int items);
 template <typename scalar_t, bool kFused>
 const void* stream_kernel(int vec);
@@ -86,7 +92,7 @@ const void* backward_stream_kernel(bool channels_last, int vec);
 template <typename scalar_t, bool kFused>
 void launch_reference(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream);
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream);
 template <typename scalar_t, bool kFused>

@@ -244,6 +244,7 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
       epilogue.residual.defined() && !same_layout(epilogue.residual, c.x);
   if (!copy_residual) c.problem.addr |= reinterpret_cast<uintptr_t>(epilogue.args.residual);
   c.problem.epilogue = epilogue.args.any();
+  c.problem.called_chain = !epilogue.args.inline_chain();
   const ForwardPlan plan = choose_forward(c.problem, Request{kernel, team, lag});
   const bool team_kernel =
       plan.kernel == ForwardKernel::Contiguous || plan.kernel == ForwardKernel::ChannelsLast;
@@ -282,9 +283,8 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
     switch (plan.kernel) {
       case ForwardKernel::Reference:
         return launch_reference<scalar_t, kFused>(plan, c.problem, args, stream);
-      case ForwardKernel::Registers:  // never planned with an epilogue
-        if constexpr (!kFused) return launch_registers<scalar_t>(plan, c.problem, args, stream);
-        break;
+      case ForwardKernel::Registers:
+        return launch_registers<scalar_t, kFused>(plan, c.problem, args, stream);
       case ForwardKernel::Contiguous:
       case ForwardKernel::ChannelsLast:
         return launch_team<scalar_t, kFused>(plan, c.problem, args, workspace, stream);
@@ -294,7 +294,6 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
         return launch_stream_channels_last<scalar_t, kFused>(plan, c.problem, args, workspace,
                                                              stream);
     }
-    TORCH_CHECK(false, "groupnorm: the registers kernel was planned with an epilogue");
   });
   return out;
 }
@@ -443,8 +442,13 @@ std::vector<at::Tensor> backward_fused(
 }
 
 PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
-                        int64_t team, int64_t lag) {
+                        int64_t team, int64_t lag, bool epilogue,
+                        const std::vector<int64_t>& activations) {
   Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
+  const EpilogueArgs chain = check_epilogue(x, c10::nullopt, c10::nullopt, c10::nullopt,
+                                            activations, 0.0, c10::nullopt).args;
+  c.problem.epilogue = epilogue || chain.any();
+  c.problem.called_chain = !chain.inline_chain();
   if (x.numel() == 0)
     return {{"kernel", std::string("none")}, {"reason", std::string("empty input: no launch")}};
   const c10::cuda::CUDAGuard guard(x.device());

@@ -60,9 +60,11 @@ std::vector<at::Tensor> backward_fused(
     const std::vector<int64_t>& activations, double slope, const c10::optional<at::Tensor>& add,
     bool need_dx, bool need_affine, bool need_scale, bool need_shift, bool need_add);
 
-// The plan forward() would run for x, or backward() for x and a grad_output
-// laid out like it (dx wanted). Empty input: no launch, no fields but that.
+// The plan forward() would run for x (forward_fused(), with `epilogue` or an
+// activation chain), or backward() for x and a grad_output laid out like it
+// (dx wanted). Empty input: no launch, no fields but that.
 groupnorm::PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
-                                   int64_t team, int64_t lag);
+                                   int64_t team, int64_t lag, bool epilogue,
+                                   const std::vector<int64_t>& activations);
 groupnorm::PlanFields backward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
                                     int64_t lag);

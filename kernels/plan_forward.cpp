@@ -47,6 +47,13 @@ constexpr int kRowsFrontsOnce = 3;
 constexpr int kRegistersClusterThreads = 256;
 constexpr int64_t kRegistersClusterMaxBytes = 8 << 20;
 constexpr int64_t kRegistersClusterMinRowBytes = 16;
+// A call with an epilogue: the registers kernel only for groups of at most
+// kRegistersFusedMaxVectors, in one CTA (the activation's arithmetic on one
+// SM a group outweighs the single read beyond); and with at most
+// kRegistersFusedSpreadUnits units an SM, threads for one vector each (its
+// latency then needs threads, not loads in flight).
+constexpr int64_t kRegistersFusedMaxVectors = 4096;
+constexpr int64_t kRegistersFusedSpreadUnits = 2;
 
 ForwardPlan reference_plan(const Problem& p, std::string reason) {
   ForwardPlan plan;
@@ -288,7 +295,8 @@ std::optional<ForwardPlan> stream_channels_last(const Problem& p, bool forced, i
 // The registers kernel when a group fits one CTA's registers (or a
 // cluster's), or nothing. Forced, a group that does not fit is an error;
 // forced_ranks > 0 sets the CTAs a group (a cluster when above 1), each with
-// threads for about kRegistersFewItems of its vectors.
+// threads for about kRegistersFewItems of its vectors (one, for a fused call
+// on few units).
 std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forced_ranks = 0) {
   const int64_t D = p.D();
   const int64_t L = D * p.HxW;
@@ -297,12 +305,14 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
   const int64_t per_cta = int64_t(kRegistersMaxThreads) * kRegistersManyItems;
   const int64_t per_cluster = kRegistersMaxRanks * per_cta;
   const bool clusters = p.dev->clusters;
-  // Threads for about kRegistersFewItems vectors each: more loads in flight
-  // at once, which a latency-bound launch needs.
-  const auto few_items_threads = [](int64_t n) {
-    return int(std::clamp<int64_t>(
-        (n + kRegistersFewItems * kWarp - 1) / (kRegistersFewItems * kWarp) * kWarp, kWarp,
-        kRegistersMaxThreads));
+  // Threads for about per_thread vectors each: kRegistersFewItems puts more
+  // loads in flight at once, which a latency-bound launch needs; a fused call
+  // on few units takes one (above).
+  const int64_t per_thread =
+      p.epilogue && p.N * p.G <= kRegistersFusedSpreadUnits * p.dev->sms ? 1 : kRegistersFewItems;
+  const auto few_items_threads = [per_thread](int64_t n) {
+    return int(std::clamp<int64_t>((n + per_thread * kWarp - 1) / (per_thread * kWarp) * kWarp,
+                                   kWarp, kRegistersMaxThreads));
   };
   int threads = few_items_threads(vectors);
   int64_t ranks = 1;
@@ -339,10 +349,11 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
                        D * p.elem >= kRegistersClusterMinRowBytes)) {
       return std::nullopt;
     }
+    if (p.epilogue && (ranks > 1 || vectors > kRegistersFusedMaxVectors)) return std::nullopt;
   }
   if (ranks > 1) {
-    const void* kernel = with_dtype(p.dtype, [&](auto tag) {
-      return registers_kernel<typename decltype(tag)::type>(v, kRegistersManyItems);
+    const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
+      return registers_kernel<typename decltype(tag)::type, fused>(v, kRegistersManyItems);
     });
     const bool schedulable = active_clusters(kernel, p.device, threads, int(ranks)) > 0;
     TORCH_CHECK(schedulable || !forced,
@@ -387,9 +398,9 @@ void check_request(const Problem& p, const Request& req) {
                     message("groupnorm: lag= sets the stream kernels' lag (kernel='stream'), not "
                             "that of kernel '",
                             k, "'"));
-  TORCH_CHECK_VALUE(!(p.epilogue && k == "registers"),
-                    "groupnorm: the registers kernel takes no epilogue (scale, shift, activation, "
-                    "residual) yet; force another kernel, or none");
+  TORCH_CHECK_VALUE(!(p.called_chain && k == "registers"),
+                    "groupnorm: the registers kernel takes no activation but SiLU or ReLU alone; "
+                    "force another kernel, or none");
 }
 
 }  // namespace
@@ -401,9 +412,9 @@ ForwardPlan choose_forward(const Problem& p, const Request& req) {
     if (p.channels_last) {
       if (auto plan = stream_channels_last(p, false, 0)) return *plan;
     }
-    // The registers kernel has no epilogue: with its code there, it took more
-    // registers, also without one (epilogue.cuh).
-    if (!p.epilogue) {
+    // The registers kernel has no called activation chain: the call costs
+    // registers (epilogue.cuh).
+    if (!p.called_chain) {
       if (auto plan = registers(p, false)) return *plan;
     }
     if (!p.channels_last) {

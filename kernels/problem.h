@@ -22,9 +22,12 @@ struct Problem {
   uintptr_t addr;  // addresses the vectors must divide (x's, OR-ed with dy's in the backward)
   int device;
   const DeviceInfo* dev;
-  // The forward applies an epilogue (epilogue.cuh), which the registers kernel does not
-  // take; a backward: it is the fused forward's (backward_epilogue.cuh), the passes alone.
+  // The forward applies an epilogue (epilogue.cuh); a backward: it is the fused forward's
+  // (backward_epilogue.cuh), the passes alone.
   bool epilogue = false;
+  // The forward's activation chain is called, not inline (EpilogueArgs::inline_chain),
+  // which the registers kernel does not take.
+  bool called_chain = false;
 
   int64_t D() const { return C / G; }
   int64_t bytes() const { return N * C * HxW * elem; }  // of x
