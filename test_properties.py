@@ -362,12 +362,13 @@ def test_gpu_fused_options_match_float64_reference(case, options):
     args = fused_arguments(x, case, options)
     assume_defined(pre_norm_sum(x, args.get("add")), case)  # the sum's groups too
     kernel = case.kernel
-    if kernel == "registers" and not inline_chain(options["activation"]):
-        kernel = "auto"  # the registers kernel refuses a called chain
     if kernel != "auto":
         try:
-            gn.plan(x, case.groups, kernel=kernel)
-        except (ValueError, RuntimeError):  # this kernel cannot take x
+            gn.plan(x, case.groups, kernel=kernel, fused=True, activation=options["activation"])
+        except (ValueError, RuntimeError):  # this kernel cannot take x, or this chain
+            if kernel == "registers" and not inline_chain(options["activation"]):
+                with pytest.raises(ValueError, match="takes no activation but SiLU or ReLU alone"):
+                    gn.groupnorm_cuda(x, weight, bias, case.groups, case.eps, kernel=kernel, **args)
             kernel = "auto"
     event(f"fused kernel={kernel}")
     kept = copies(storage, weight, bias)

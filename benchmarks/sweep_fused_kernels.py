@@ -21,14 +21,12 @@ import statistics
 import sys
 
 import torch
-import triton.testing
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import groupnorm_inline as gn  # noqa: E402
-from ab_compare import graph_ms  # noqa: E402
-from bench_epilogue import GRAPH_BELOW_MS, bench_ms  # noqa: E402
+from bench_epilogue import row_timer  # noqa: E402
 from bench_groupnorm import make_inputs, rotating  # noqa: E402
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -67,8 +65,7 @@ def run_row(shape, groups, dtype, layout, rounds, budget):
         except (ValueError, RuntimeError):  # the kernel refuses this shape
             continue
         usable[name] = kw
-    plain = rotating(lambda t: gn.groupnorm_cuda(t, w, b, groups), inputs)
-    timer = graph_ms if bench_ms(plain) < GRAPH_BELOW_MS else bench_ms
+    timer = row_timer(rotating(lambda t: gn.groupnorm_cuda(t, w, b, groups), inputs))
     times = {}
     with torch.no_grad():
         for _ in range(rounds):
@@ -78,8 +75,6 @@ def run_row(shape, groups, dtype, layout, rounds, budget):
     plans = {name: gn.plan(inputs[0], groups, kernel=kw.get("kernel", "auto"), team=kw.get("team", 0),
                            fused=name != "plain")
              for name, kw in usable.items()}
-    del inputs
-    torch.cuda.empty_cache()
     return {"shape": list(shape), "G": groups, "dtype": str(dtype)[6:], "layout": layout,
             "ms": {k: statistics.median(v) for k, v in times.items()}, "rounds": times, "plans": plans}
 

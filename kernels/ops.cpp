@@ -250,9 +250,9 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
       plan.kernel == ForwardKernel::Contiguous || plan.kernel == ForwardKernel::ChannelsLast;
   if (epilogue.add.defined() && (plan.kernel == ForwardKernel::StreamChannelsLast ||
                                   (team_kernel && plan.team.kept < plan.team.slice))) {
-    // The prologue is in the reference kernel, the contiguous stream (both
-    // items of a piece turn x into s) and team kernels that keep their whole
-    // slice on chip (where it turns the kept x into s once); the
+    // The prologue is in the reference and registers kernels, the contiguous
+    // stream (both items of a piece turn x into s) and team kernels that keep
+    // their whole slice on chip (where it turns the kept x into s once); the
     // channels-last stream and team plans that keep less get s by a
     // separate add (a pass more), before anything of this call is allocated.
     std::vector<int64_t> per_channel{c.problem.N, x.size(1)};
