@@ -21,8 +21,9 @@
 // With kFused it also takes the epilogue's inline forms (epilogue.cuh): the
 // (N, C) add as it loads x, scale and shift folded into the channel affine,
 // SiLU or ReLU alone, the residual. Not the called activation chains: their
-// call costs every caller saved registers, which this kernel, sized for four
-// CTAs an SM, has none to spare for (the planner gives them other kernels).
+// call costs its caller saved registers, which this kernel, holding its
+// group in registers, has none to spare for (the planner gives them other
+// kernels).
 #pragma once
 
 #include <cooperative_groups.h>
