@@ -3870,6 +3870,15 @@ def test_gpu_compile_fusion_folds_scale_shift_and_residual(dtype):
 # GPU: the fused epilogue
 # ---------------------------------------------------------------------------
 
+def largest_spread(by_group, eps):
+    """max |x| * rstd in float64 over groups laid along the last dim: how much
+    a group of small spread far from zero cancels, where the tolerance
+    table's rounding of x assumes a unit spread."""
+    x64 = by_group.double()
+    rstd = (x64.var(dim=-1, correction=0, keepdim=True) + eps).rsqrt()
+    return (x64.abs() * rstd).max().item()
+
+
 def epilogue_tolerance(x, w, args, ref_gn, ref_pre, ref, torch_err, spread):
     """float32/64: GroupNorm's tolerance (at least 8 roundings of x at its
     magnitude times rstd, `spread` = max |x| * rstd: a group of small spread
@@ -3929,9 +3938,7 @@ def check_epilogue(x, groups, w, b, args, eps=1e-5, **force):
     if x.numel() == 0:
         return y
     theirs = apply_epilogue(tools.torch_group_norm(s, groups, w, b, eps), **epilogue)
-    by_group = s.double().reshape(s.shape[0], groups, -1)
-    rstd = (by_group.var(dim=-1, correction=0, keepdim=True) + eps).rsqrt()
-    spread = (by_group.abs() * rstd).max().item()
+    spread = largest_spread(s.reshape(s.shape[0], groups, -1), eps)
     tol = epilogue_tolerance(s, w, epilogue, ref_gn, ref_pre, ref, tools.max_error(theirs, ref), spread)
     assert not y.isnan().any(), describe_mismatch(y, ref, tol)
     assert tools.max_error(y, ref) <= tol, describe_mismatch(y, ref, tol)
