@@ -455,12 +455,7 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
       const A m = modulation(c);
       t_dy *= m;
       t_dyx *= m;
-      if (ep.x_partial != nullptr) {  // sum(s - mu) over the channel's chunks, in order
-        A s_x = 0;
-        const A* x_sums = ep.x_partial + n * at.stride_n + int64_t(c) * at.stride_c;
-        for (int64_t k = 0; k < at.chunks; ++k) s_x += x_sums[k * at.stride_k];
-        store_pair(ep.channel_sums + nc * 2, weight(c) * t_dy, s_x);
-      }
+      if (ep.channel_sums != nullptr) ep.channel_sums[nc * 2] = weight(c) * t_dy;
     }
     if (affine_pairs != nullptr) store_pair(affine_pairs + (n * C + c) * 2, t_dy, t_dyx * rs);
     s1 += weight(c) * t_dy;
@@ -468,6 +463,18 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
   };
   add_pair_sets<kPairsInFlight, 2>(channels, at.chunks, at.stride_c, at.stride_k, D, red_dy,
                                    red_dyx, store);
+  if constexpr (kFused) {
+    if (ep.x_partial != nullptr) {  // each channel's sum(s - mu) over its chunks, the block's lanes
+      const A* x_sums = ep.x_partial + n * at.stride_n + int64_t(c0) * at.stride_c;
+      add_sets<kPairsInFlight, 2>(
+          at.chunks, D, red_dy, red_dyx,
+          [&](int d, int64_t k, A& s_x, A& none) {
+            s_x = x_sums[int64_t(d) * at.stride_c + k * at.stride_k];
+            none = 0;
+          },
+          [&](int d, A s_x, A) { ep.channel_sums[(n * C + c0 + d) * 2 + 1] = s_x; });
+    }
+  }
   if (coef == nullptr) return;  // the same in every thread
   block_sums(scratch, s1, s2);  // its barriers also publish the channel sums stored above
   const A M = A(D) * A(HxW);

@@ -219,17 +219,17 @@ __device__ __forceinline__ void store_pair(A* p, A a, A b) {
   p[1] = b;
 }
 
-// Adds pairs first, first + step, ... below end (pair k at p + k * stride *
-// 2) into s1 and s2 in that order, kInFlight loads in flight (a plain loop
+// Adds pairs first, first + step, ... below end (load(k, a, b) reads pair k)
+// into s1 and s2 in that order, kInFlight loads in flight (a plain loop
 // waits for each load before issuing the next).
-template <int kInFlight, typename A>
-__device__ __forceinline__ void add_pairs(const A* p, int64_t first, int64_t end, int64_t step,
-                                          int64_t stride, A& s1, A& s2) {
+template <int kInFlight, typename A, typename Load>
+__device__ __forceinline__ void add_loaded(Load load, int64_t first, int64_t end, int64_t step,
+                                           A& s1, A& s2) {
   for (int64_t k0 = first; k0 < end; k0 += kInFlight * step) {
     A a[kInFlight], q[kInFlight];
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
-      if (k0 + u * step < end) load_pair_l2(p + (k0 + u * step) * stride * 2, a[u], q[u]);
+      if (k0 + u * step < end) load(k0 + u * step, a[u], q[u]);
     }
 #pragma unroll
     for (int u = 0; u < kInFlight; ++u) {
@@ -241,18 +241,25 @@ __device__ __forceinline__ void add_pairs(const A* p, int64_t first, int64_t end
   }
 }
 
-// For each j < width, adds the `count` pairs of set j (pair k at base +
-// (j * set_stride + k * pair_stride) * 2) and calls store(j, a, b) in one
-// thread. Threads take (j, lane) pairs, j fastest (coalesced where sets are
-// adjacent), add their pairs in order, then the lanes of each j are added in
-// order. kInFlight: pairs a thread has in flight (add_pairs), or
-// kFewInFlight when the sets have fewer than 4 pairs a lane: chosen inside
-// the one loop, which keeps a kernel's code small (a latency-bound kernel
-// pays for its size). red_a, red_b: blockDim.x values of shared memory each.
-template <int kInFlight, int kFewInFlight = kInFlight, typename A, typename Store>
-__device__ __forceinline__ void add_pair_sets(const A* base, int64_t count, int64_t set_stride,
-                                              int64_t pair_stride, int width, A* red_a, A* red_b,
-                                              Store store) {
+// add_loaded of the pairs at p + k * stride * 2, read through L2.
+template <int kInFlight, typename A>
+__device__ __forceinline__ void add_pairs(const A* p, int64_t first, int64_t end, int64_t step,
+                                          int64_t stride, A& s1, A& s2) {
+  add_loaded<kInFlight>([&](int64_t k, A& a, A& q) { load_pair_l2(p + k * stride * 2, a, q); },
+                        first, end, step, s1, s2);
+}
+
+// For each j < width, adds the `count` pairs of set j (load(j, k, a, b)
+// reads pair k of set j) and calls store(j, a, b) in one thread. Threads
+// take (j, lane) pairs, j fastest (coalesced where sets are adjacent), add
+// their pairs in order, then the lanes of each j are added in order.
+// kInFlight: pairs a thread has in flight (add_loaded), or kFewInFlight when
+// the sets have fewer than 4 pairs a lane: chosen inside the one loop, which
+// keeps a kernel's code small (a latency-bound kernel pays for its size).
+// red_a, red_b: blockDim.x values of shared memory each.
+template <int kInFlight, int kFewInFlight = kInFlight, typename A, typename Load, typename Store>
+__device__ __forceinline__ void add_sets(int64_t count, int width, A* red_a, A* red_b, Load load,
+                                         Store store) {
   const int tid = threadIdx.x;
   const int span = min(width, int(blockDim.x));  // sets at a time
   const int lanes = int(blockDim.x) / span;
@@ -262,15 +269,16 @@ __device__ __forceinline__ void add_pair_sets(const A* base, int64_t count, int6
   for (int j0 = 0; j0 < width; j0 += span) {
     A a = 0, b = 0;
     if (lane < lanes && j0 + j_in < width) {
-      const A* set = base + int64_t(j0 + j_in) * set_stride * 2;
+      const int j = j0 + j_in;
+      const auto load_j = [&](int64_t k, A& first, A& second) { load(j, k, first, second); };
       if constexpr (kFewInFlight != kInFlight) {
         if (few) {
-          add_pairs<kFewInFlight>(set, lane, count, lanes, pair_stride, a, b);
+          add_loaded<kFewInFlight>(load_j, lane, count, lanes, a, b);
         } else {
-          add_pairs<kInFlight>(set, lane, count, lanes, pair_stride, a, b);
+          add_loaded<kInFlight>(load_j, lane, count, lanes, a, b);
         }
       } else {
-        add_pairs<kInFlight>(set, lane, count, lanes, pair_stride, a, b);
+        add_loaded<kInFlight>(load_j, lane, count, lanes, a, b);
       }
     }
     __syncthreads();  // the tables may still be read from the last pass
@@ -286,6 +294,20 @@ __device__ __forceinline__ void add_pair_sets(const A* base, int64_t count, int6
       store(j0 + tid, ta, tb);
     }
   }
+}
+
+// add_sets of the pairs at base + (j * set_stride + k * pair_stride) * 2,
+// read through L2.
+template <int kInFlight, int kFewInFlight = kInFlight, typename A, typename Store>
+__device__ __forceinline__ void add_pair_sets(const A* base, int64_t count, int64_t set_stride,
+                                              int64_t pair_stride, int width, A* red_a, A* red_b,
+                                              Store store) {
+  add_sets<kInFlight, kFewInFlight>(
+      count, width, red_a, red_b,
+      [&](int j, int64_t k, A& a, A& q) {
+        load_pair_l2(base + (int64_t(j) * set_stride + k * pair_stride) * 2, a, q);
+      },
+      store);
 }
 
 }  // namespace groupnorm
