@@ -2540,10 +2540,11 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
 @cuda
 def test_gpu_fused_plan_takes_registers_kernel_for_small_groups():
     # A call with an epilogue takes the registers kernel for groups of at
-    # most 4096 vectors in one CTA, with threads for one vector each where
-    # the units are few (at most two an SM) and the plain call's threads
-    # otherwise; larger groups and clusters take the team kernels, and so
-    # does any activation chain but SiLU or ReLU alone (no call there).
+    # most 4096 vectors a CTA, with threads for one vector each where the
+    # units are few (at most two an SM) and the plain call's threads
+    # otherwise: in one CTA, or on contiguous input in clusters (below);
+    # other groups take the team kernels, and so does any activation chain
+    # but SiLU or ReLU alone (no call there).
     deep = make_input((2, 1280, 16, 16), torch.float16, "contiguous", "cuda", shift=1000.0)
     plain = gn.plan(deep, 32)
     for options in (dict(activation="silu"), dict(activation=("relu",)), dict(fused=True)):
@@ -2560,12 +2561,27 @@ def test_gpu_fused_plan_takes_registers_kernel_for_small_groups():
         gn.plan(deep, 32, kernel="registers", activation="gelu")
     many = torch.empty(512, 1280, 8, 8, device="cuda", dtype=torch.bfloat16)  # 16384 units
     assert gn.plan(many, 32, activation="silu") == gn.plan(many, 32)
-    # 5120 vectors a group (SD UNet): the plain call's registers kernel, the
-    # fused call's team kernel; the channels-last twin's cluster likewise
-    for layout in LAYOUTS:
-        unet = make_input((2, 320, 64, 64), torch.float16, layout, "cuda")
-        assert gn.plan(unet, 32)["kernel"] == "registers" or layout == "channels_last"
-        assert gn.plan(unet, 32, activation="silu")["kernel"] == layout, gn.plan(unet, 32, fused=True)
+    # 5120 vectors a group (SD UNet): on contiguous input the fused call's
+    # clusters, of as many CTAs (at most 3, of at most 3072 vectors each) as
+    # the SMs hold for every unit at once, or the team kernel where 2 do not
+    # fit; the channels-last twin's team kernel; 11520 vectors a group
+    # (768-pixel images) would take more than 3 CTAs: the team kernel
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    w, b = affine(320, torch.float16, "cuda", "both")
+    for n in (1, 2, 4):
+        unet = make_input((n, 320, 64, 64), torch.float16, "contiguous", "cuda")
+        ranks = min(3, sms // (32 * n))
+        expected = dict(kernel="registers", ranks=ranks, threads=512) if ranks >= 2 else \
+            dict(kernel="contiguous")
+        plan = gn.plan(unet, 32, activation="silu")
+        assert plan_has(plan, expected), (n, expected, plan)
+        check_epilogue(unet, 32, w, b, epilogue_tensors(unet, INLINE_ALL))
+        check_epilogue(unet, 32, w, b, dict(add=torch.randn(n, 320, device="cuda").half(),
+                                            activation="relu"))
+    unet = unet.to(memory_format=torch.channels_last)
+    assert gn.plan(unet, 32, activation="silu")["kernel"] == "channels_last", gn.plan(unet, 32, fused=True)
+    large = torch.empty(1, 320, 96, 96, device="cuda", dtype=torch.float16)
+    assert gn.plan(large, 32, activation="silu")["kernel"] == "contiguous", gn.plan(large, 32, fused=True)
 
 
 @cuda

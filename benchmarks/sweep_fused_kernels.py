@@ -1,17 +1,18 @@
 """Which forward kernel serves a fused call fastest: per shape, our plain
 forward (automatic plan) against SiLU through each kernel forced (the
-registers kernel alone and in clusters of 2 and 4, the team kernel of the
+registers kernel alone and in clusters of 2, 3, 4 and 8, the team kernel of the
 input's layout, the stream kernel) and the automatic plan, and the (N, C)
 add with SiLU through the registers and team kernels. Each time over the
 plain forward's.
 
-    python benchmarks/sweep_fused_kernels.py [--rounds 3] [--json PATH]
+    python benchmarks/sweep_fused_kernels.py [--rounds 3] [--shape SPEC ...] [--json PATH]
 
 One process, one GPU; the contenders alternate for --rounds rounds, each
 time a median of CUDA-graph replays (ab_compare.graph_ms) for rows whose
 plain forward takes under 0.05 ms, else of do_bench. A kernel that refuses
 a shape is left out of its row. The rows are the small shapes where the
-registers kernel and the team kernels compete.
+registers kernel and the team kernels compete, or the --shape rows alone
+(NxCxHxW/G/dtype/layout, as bench_epilogue.py takes them).
 """
 
 import argparse
@@ -26,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 import groupnorm_inline as gn  # noqa: E402
-from bench_epilogue import row_timer  # noqa: E402
+from bench_epilogue import row_timer, shape_row  # noqa: E402
 from bench_groupnorm import make_inputs, rotating  # noqa: E402
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
@@ -47,8 +48,8 @@ def contenders(layout, temb):
     silu = dict(activation="silu")
     return {"plain": {}, "silu auto": silu, "silu registers": dict(silu, kernel="registers"),
             "silu team": dict(silu, kernel=team), "silu stream": dict(silu, kernel="stream"),
-            "silu registers r2": dict(silu, kernel="registers", team=2),
-            "silu registers r4": dict(silu, kernel="registers", team=4),
+            **{f"silu registers r{ranks}": dict(silu, kernel="registers", team=ranks)
+               for ranks in (2, 3, 4, 8)},
             "add_silu registers": dict(silu, add=temb, kernel="registers"),
             "add_silu team": dict(silu, add=temb, kernel=team)}
 
@@ -82,11 +83,14 @@ def run_row(shape, groups, dtype, layout, rounds, budget):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--shape", action="append", default=[], type=shape_row,
+                        help="a row instead of the built-in ones: NxCxHxW/G/dtype/layout")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
     budget = torch.cuda.get_device_properties(0).total_memory // 4
     rows = []
-    for shape, groups, dtype, layout in ROWS:
+    given = [(shape, groups, dtype, layout) for _, shape, groups, dtype, layout in args.shape]
+    for shape, groups, dtype, layout in given or ROWS:
         row = run_row(shape, groups, dtype, layout, args.rounds, budget)
         rows.append(row)
         ms = row["ms"]

@@ -48,11 +48,16 @@ constexpr int kRegistersClusterThreads = 256;
 constexpr int64_t kRegistersClusterMaxBytes = 8 << 20;
 constexpr int64_t kRegistersClusterMinRowBytes = 16;
 // A call with an epilogue: the registers kernel only for groups of at most
-// kRegistersFusedMaxVectors, in one CTA (the activation's arithmetic on one
-// SM a group outweighs the single read beyond); and with at most
-// kRegistersFusedSpreadUnits units an SM, threads for one vector each (its
-// latency then needs threads, not loads in flight).
+// kRegistersFusedMaxVectors in one CTA (the activation's arithmetic on one
+// SM outweighs the single read beyond), or for contiguous input in clusters
+// of as many CTAs as the SMs hold for every unit at once, up to
+// kRegistersFusedMaxRanks, each CTA with at most
+// kRegistersFusedClusterVectors; and with at most kRegistersFusedSpreadUnits
+// units an SM, threads for one vector each (its latency then needs threads,
+// not loads in flight).
 constexpr int64_t kRegistersFusedMaxVectors = 4096;
+constexpr int64_t kRegistersFusedMaxRanks = 3;
+constexpr int64_t kRegistersFusedClusterVectors = 3072;
 constexpr int64_t kRegistersFusedSpreadUnits = 2;
 
 ForwardPlan reference_plan(const Problem& p, std::string reason) {
@@ -322,6 +327,10 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
                               " CTAs a group (team=), got ", forced_ranks));
     ranks = forced_ranks;
     threads = few_items_threads((vectors + ranks - 1) / ranks);
+  } else if (!forced && p.epilogue && !p.channels_last && vectors > kRegistersFusedMaxVectors) {
+    ranks = std::min(kRegistersFusedMaxRanks, p.dev->sms / (p.N * p.G));
+    if (ranks * kRegistersFusedClusterVectors < vectors) return std::nullopt;
+    threads = few_items_threads((vectors + ranks - 1) / ranks);
   } else if (vectors > per_cta) {
     threads =
         vectors <= int64_t(kRegistersMaxRanks) * kRegistersClusterThreads * kRegistersManyItems
@@ -343,13 +352,18 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
                         : kRegistersFewItems;
   if (!forced) {
     // Inputs at least as large as L2 only in the few-items form on contiguous
-    // groups; clusters only for small channels-last inputs of wide enough rows.
+    // groups; a plain call's clusters only for small channels-last inputs of
+    // wide enough rows, a fused call's only for contiguous input (above).
     if (p.larger_than_l2() && (p.channels_last || items != kRegistersFewItems)) return std::nullopt;
-    if (ranks > 1 && !(p.channels_last && p.bytes() <= kRegistersClusterMaxBytes &&
-                       D * p.elem >= kRegistersClusterMinRowBytes)) {
+    if (p.epilogue) {
+      if ((vectors + ranks - 1) / ranks > kRegistersFusedMaxVectors ||
+          (ranks > 1 && p.channels_last)) {
+        return std::nullopt;
+      }
+    } else if (ranks > 1 && !(p.channels_last && p.bytes() <= kRegistersClusterMaxBytes &&
+                              D * p.elem >= kRegistersClusterMinRowBytes)) {
       return std::nullopt;
     }
-    if (p.epilogue && (ranks > 1 || vectors > kRegistersFusedMaxVectors)) return std::nullopt;
   }
   if (ranks > 1) {
     const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
