@@ -112,12 +112,6 @@ void with_passes_vec(int v, F&& f) {
   }
 }
 
-// Whether the fused passes take the chain back themselves (recompute_lanes).
-inline bool passes_take_chain(const EpilogueArgs& e) {
-  return e.activations == 0 ||
-         (e.activations == 1 && (e.chain[0] == Activation::SiLU || e.chain[0] == Activation::ReLU));
-}
-
 // The chain kernel's g = dy * act'(z) in a temporary of x's size, and the
 // arguments that have the fused passes read it as dy, with no activation of
 // their own.
@@ -146,7 +140,7 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
   using A = acc_t<scalar_t>;
   BackwardArgs a = given;
   if constexpr (kFused) {
-    if (!passes_take_chain(a.epilogue)) a = with_chain_taken_back<scalar_t>(plan, p, a, alloc, stream);
+    if (!a.epilogue.inline_chain()) a = with_chain_taken_back<scalar_t>(plan, p, a, alloc, stream);
   }
   const BackwardTiles& t = plan.tiles;
   const bool channels_last = plan.kernel == BackwardKernel::PassesChannelsLast;

@@ -35,7 +35,8 @@ struct EpilogueArgs {
            activations > 0;
   }
   // No activation, or SiLU or ReLU alone: what the kernels apply inline,
-  // without calling `activate` (epilogue.cuh), the registers kernel too.
+  // without calling `activate` (epilogue.cuh), the registers kernel too, and
+  // what the fused backward's passes take back themselves (recompute_lanes).
   bool inline_chain() const {
     return activations == 0 ||
            (activations == 1 && (chain[0] == Activation::SiLU || chain[0] == Activation::ReLU));
