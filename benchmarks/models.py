@@ -33,6 +33,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 
@@ -214,12 +215,14 @@ def run_model(name, modes, rounds, device, tiny):
             callables[(v, "train")] = lambda m=m: training_step(m, call, args)
     compiled_modes = [mode for mode in ("compile", "reduce-overhead") if mode in modes]
     if compiled_modes:
-        # its own copy: Dynamo keys compiled code on the module instance
+        # its own copy of torch's model, as each variant has
         add_pass_variant(result, callables, copy.deepcopy(variants["torch"]), call, args,
                          reference, compiled_modes)
     times = {key: [] for key in callables if key[1] in modes}
     for fn in (callables[key] for key in times):  # warm-up
         fn()
+    if device.type == "cuda":
+        check_variants({key: callables[key] for key in times if key[1] != "train"})
     for _ in range(rounds):
         for key in times:
             times[key].append(event_ms(callables[key], device))
@@ -260,12 +263,24 @@ def warm_inductor(device):
         torch.randn(2, 4, 8, 8, device=device))
 
 
+def own_frame(model):
+    """model's call as a function with a code object of its own. Dynamo keeps
+    compiled code on the code object it starts from, guarded by what deep
+    copies of one model share (input tensors, module types): variants
+    compiled from the same code would all run whichever graph was compiled
+    last (checked by ran_our_kernels)."""
+    def forward(*args, **kwargs):
+        return model(*args, **kwargs)
+    code = forward.__code__.replace(co_name=f"forward_{id(model):x}")
+    return types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
+
+
 def compiled_variant(entry, model, call, args, mode):
     """model compiled in `mode`, its first two calls timed into entry (the
     compile; reduce-overhead records its graph on the second); returns the
     callable to time and the first call's output."""
     torch._dynamo.reset()
-    compiled = torch.compile(model, mode=None if mode == "compile" else mode)
+    compiled = torch.compile(own_frame(model), mode=None if mode == "compile" else mode)
     start = time.perf_counter()
     with torch.no_grad():
         # cloned: a CUDA graph's second replay overwrites the first's output
@@ -275,6 +290,27 @@ def compiled_variant(entry, model, call, args, mode):
         torch.cuda.synchronize()
     entry[f"{mode}_first_calls_s"] = round(time.perf_counter() - start, 2)
     return (lambda: torch.no_grad()(call)(compiled, *args)), out
+
+
+def ran_our_kernels(fn):
+    """Whether one call of fn launched any of this module's CUDA kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return any("groupnorm::" in e.name for e in prof.events())
+
+
+def check_variants(callables):
+    """Each timed variant runs what it is named for: torch's model none of our
+    kernels, ours and the pass some (a CUDA run's guard against variants
+    sharing compiled code)."""
+    for (variant, mode), fn in callables.items():
+        if ran_our_kernels(fn) != (variant != "torch"):
+            raise RuntimeError(f"models.py: the {variant} variant ({mode}) ran "
+                               f"{'none' if variant != 'torch' else 'some'} of groupnorm_inline's "
+                               "kernels: the variants' compiled code is mixed up")
 
 
 def add_pass_variant(result, callables, model, call, args, reference, modes):

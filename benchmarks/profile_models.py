@@ -92,6 +92,10 @@ def main(argv=None):
                     torch.cuda.synchronize()
             wall = (time.perf_counter() - start) * 1e3 / args.calls
             busy, launches, totals = kernel_table(prof, device, args.calls)
+            ours = any("groupnorm::" in k for k in totals)
+            if device.type == "cuda" and ours != (variant != "torch"):
+                raise RuntimeError(f"profile_models.py: the {variant} variant ran "
+                                   f"{'some' if ours else 'none'} of groupnorm_inline's kernels")
             top = totals.most_common(args.top)
             groupnorm_ms = sum(ms for k, ms in totals.items() if any(m in k for m in GROUPNORM_MARKS))
             entry[variant] = {"wall_ms": wall, "kernel_ms": busy, "kernels": launches,
