@@ -1,9 +1,10 @@
-"""Which forward kernel serves a fused call fastest: per shape, our plain
-forward (automatic plan) against SiLU through each kernel forced (the
-registers kernel alone and in clusters of 2, 3, 4 and 8, the team kernel of the
-input's layout, the stream kernel) and the automatic plan, and the (N, C)
-add with SiLU through the registers and team kernels. Each time over the
-plain forward's.
+"""Which forward kernel serves a call fastest: per shape, our plain
+forward (automatic plan) against the plain forward through each kernel
+forced (registers, the team kernel of the input's layout, stream), SiLU
+through each kernel forced (the registers kernel alone and in clusters of
+2, 3, 4 and 8, the team kernel, the stream kernel) and the automatic plan,
+and the (N, C) add with SiLU through the registers and team kernels. Each
+time over the plain forward's.
 
     python benchmarks/sweep_fused_kernels.py [--rounds 3] [--shape SPEC ...] [--json PATH]
 
@@ -46,7 +47,9 @@ def contenders(layout, temb):
     """{name: groupnorm_cuda keyword arguments}."""
     team = layout  # the team kernel of the input's layout
     silu = dict(activation="silu")
-    return {"plain": {}, "silu auto": silu, "silu registers": dict(silu, kernel="registers"),
+    return {"plain": {}, "plain registers": dict(kernel="registers"), "plain team": dict(kernel=team),
+            "plain stream": dict(kernel="stream"),
+            "silu auto": silu, "silu registers": dict(silu, kernel="registers"),
             "silu team": dict(silu, kernel=team), "silu stream": dict(silu, kernel="stream"),
             **{f"silu registers r{ranks}": dict(silu, kernel="registers", team=ranks)
                for ranks in (2, 3, 4, 8)},
@@ -74,7 +77,7 @@ def run_row(shape, groups, dtype, layout, rounds, budget):
                 fn = rotating(lambda t, kw=kw: gn.groupnorm_cuda(t, w, b, groups, **kw), inputs)
                 times.setdefault(name, []).append(timer(fn))
     plans = {name: gn.plan(inputs[0], groups, kernel=kw.get("kernel", "auto"), team=kw.get("team", 0),
-                           fused=name != "plain")
+                           fused=not name.startswith("plain"))
              for name, kw in usable.items()}
     return {"shape": list(shape), "G": groups, "dtype": str(dtype)[6:], "layout": layout,
             "ms": {k: statistics.median(v) for k, v in times.items()}, "rounds": times, "plans": plans}
