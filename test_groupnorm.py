@@ -2538,6 +2538,30 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
 
 
 @cuda
+def test_gpu_plan_takes_team_kernel_for_narrow_channels_last_rows():
+    # Channels-last groups whose rows hold under 16 bytes (timm resnet50_gn's
+    # 64 channels in 32 groups: 4 bytes) take the team kernel, which reads
+    # whole lines, plain or fused, on at least two units an SM; forced, the
+    # registers kernel serves them. Fewer units keep the registers kernel.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for shape, groups in [((32, 64, 56, 56), 32), ((32, 128, 28, 28), 32), ((16, 64, 8, 8, 8), 32)]:
+        assert shape[0] * groups >= 2 * sms
+        x = make_input(shape, torch.bfloat16, "channels_last", "cuda", shift=1000.0)
+        plan = gn.plan(x, groups)
+        assert plan["kernel"] == "channels_last" and "narrower than 16 bytes" in plan["reason"], plan
+        assert gn.plan(x, groups, activation="relu")["kernel"] == "channels_last"
+        assert gn.plan(x, groups, kernel="registers")["kernel"] == "registers"
+        w, b = affine(shape[1], x.dtype, "cuda", "both")
+        check_against_reference(x, groups, w, b)
+        check_epilogue(x, groups, w, b, dict(add=torch.randn(shape[:2], device="cuda").bfloat16(),
+                                             activation="relu"))
+    few = make_input((2, 64, 64, 64), torch.float16, "channels_last", "cuda")  # 64 units
+    assert gn.plan(few, 32)["kernel"] == "registers", gn.plan(few, 32)
+    wide = make_input((32, 256, 14, 14), torch.bfloat16, "channels_last", "cuda")  # 16-byte rows
+    assert gn.plan(wide, 32)["kernel"] == "registers", gn.plan(wide, 32)
+
+
+@cuda
 def test_gpu_fused_plan_takes_registers_kernel_for_small_groups():
     # A call with an epilogue takes the registers kernel for groups of at
     # most 4096 vectors a CTA, with threads for one vector each where the

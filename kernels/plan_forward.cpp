@@ -43,10 +43,14 @@ constexpr int64_t kEachMergeShare = 8;
 constexpr int64_t kLagL2Share = 4;
 constexpr int kRowsFrontsOnce = 3;
 // Registers kernel in clusters: CTA size while 8 of them hold the group, and
-// the inputs it is chosen for (channels-last, small, rows of whole 16 bytes).
+// the inputs it is chosen for (channels-last, small, rows of at least
+// kRegistersMinRowBytes); channels-last groups of narrower rows on many
+// units take the team kernel instead of one CTA each
+// (team_serves_channels_last).
 constexpr int kRegistersClusterThreads = 256;
 constexpr int64_t kRegistersClusterMaxBytes = 8 << 20;
-constexpr int64_t kRegistersClusterMinRowBytes = 16;
+constexpr int64_t kRegistersMinRowBytes = 16;
+constexpr int64_t kTeamNarrowRowsUnitsPerSm = 2;
 // A call with an epilogue: the registers kernel only for groups of at most
 // kRegistersFusedMaxVectors in one CTA (the activation's arithmetic on one
 // SM outweighs the single read beyond), or for contiguous input in clusters
@@ -361,7 +365,7 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
         return std::nullopt;
       }
     } else if (ranks > 1 && !(p.channels_last && p.bytes() <= kRegistersClusterMaxBytes &&
-                              D * p.elem >= kRegistersClusterMinRowBytes)) {
+                              D * p.elem >= kRegistersMinRowBytes)) {
       return std::nullopt;
     }
   }
@@ -388,6 +392,16 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
                 : ranks > 1 ? "a group fits the registers of a cluster of CTAs"
                             : "a group fits one CTA's registers";
   return plan;
+}
+
+// Whether the team kernel serves channels-last groups faster than the
+// registers kernel: rows narrower than kRegistersMinRowBytes, of which a
+// warp's loads use a fraction of each sector, on at least
+// kTeamNarrowRowsUnitsPerSm units an SM (fewer leave the launch latency-bound,
+// where the registers kernel's single pass wins).
+bool team_serves_channels_last(const Problem& p) {
+  return p.channels_last && p.D() * p.elem < kRegistersMinRowBytes &&
+         p.N * p.G >= kTeamNarrowRowsUnitsPerSm * p.dev->sms;
 }
 
 void check_request(const Problem& p, const Request& req) {
@@ -429,7 +443,15 @@ ForwardPlan choose_forward(const Problem& p, const Request& req) {
     // The registers kernel has no called activation chain: the call costs
     // registers (epilogue.cuh).
     if (!p.called_chain) {
-      if (auto plan = registers(p, false)) return *plan;
+      if (auto plan = registers(p, false)) {
+        if (!team_serves_channels_last(p)) return *plan;
+        if (auto team = team_channels_last(p, false, 0)) {
+          team->reason =
+              "channels-last group rows narrower than 16 bytes on many units; " + team->reason;
+          return *team;
+        }
+        return *plan;
+      }
     }
     if (!p.channels_last) {
       if (stream_contiguous_suits(p)) {
