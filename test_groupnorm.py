@@ -2541,11 +2541,12 @@ def test_gpu_plan_takes_registers_kernel_for_small_groups():
 def test_gpu_plan_takes_team_kernel_for_narrow_channels_last_rows():
     # Channels-last groups whose rows hold under 16 bytes (timm resnet50_gn's
     # 64 channels in 32 groups: 4 bytes) take the team kernel, which reads
-    # whole lines, plain or fused, on at least two units an SM; forced, the
-    # registers kernel serves them. Fewer units keep the registers kernel.
+    # whole lines, plain or fused, on at least two units an SM and 2 MiB of
+    # input; forced, the registers kernel serves them. Smaller launches keep
+    # the registers kernel.
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for shape, groups in [((32, 64, 56, 56), 32), ((32, 128, 28, 28), 32), ((16, 64, 8, 8, 8), 32)]:
-        assert shape[0] * groups >= 2 * sms
+    for shape, groups in [((32, 64, 56, 56), 32), ((32, 128, 28, 28), 32), ((32, 64, 8, 8, 8), 32)]:
+        assert shape[0] * groups >= 2 * sms and math.prod(shape) * 2 >= 2 << 20
         x = make_input(shape, torch.bfloat16, "channels_last", "cuda", shift=1000.0)
         plan = gn.plan(x, groups)
         assert plan["kernel"] == "channels_last" and "narrower than 16 bytes" in plan["reason"], plan
@@ -2557,6 +2558,8 @@ def test_gpu_plan_takes_team_kernel_for_narrow_channels_last_rows():
                                              activation="relu"))
     few = make_input((2, 64, 64, 64), torch.float16, "channels_last", "cuda")  # 64 units
     assert gn.plan(few, 32)["kernel"] == "registers", gn.plan(few, 32)
+    small = make_input((16, 64, 8, 8, 8), torch.bfloat16, "channels_last", "cuda")  # 1 MiB
+    assert gn.plan(small, 32)["kernel"] == "registers", gn.plan(small, 32)
     wide = make_input((32, 256, 14, 14), torch.bfloat16, "channels_last", "cuda")  # 16-byte rows
     assert gn.plan(wide, 32)["kernel"] == "registers", gn.plan(wide, 32)
 

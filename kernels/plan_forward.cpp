@@ -51,6 +51,7 @@ constexpr int kRegistersClusterThreads = 256;
 constexpr int64_t kRegistersClusterMaxBytes = 8 << 20;
 constexpr int64_t kRegistersMinRowBytes = 16;
 constexpr int64_t kTeamNarrowRowsUnitsPerSm = 2;
+constexpr int64_t kTeamNarrowRowsMinBytes = 2 << 20;
 // A call with an epilogue: the registers kernel only for groups of at most
 // kRegistersFusedMaxVectors in one CTA (the activation's arithmetic on one
 // SM outweighs the single read beyond), or for contiguous input in clusters
@@ -397,11 +398,13 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
 // Whether the team kernel serves channels-last groups faster than the
 // registers kernel: rows narrower than kRegistersMinRowBytes, of which a
 // warp's loads use a fraction of each sector, on at least
-// kTeamNarrowRowsUnitsPerSm units an SM (fewer leave the launch latency-bound,
-// where the registers kernel's single pass wins).
+// kTeamNarrowRowsUnitsPerSm units an SM and kTeamNarrowRowsMinBytes of input
+// (smaller launches are latency-bound, where the registers kernel's single
+// pass wins).
 bool team_serves_channels_last(const Problem& p) {
   return p.channels_last && p.D() * p.elem < kRegistersMinRowBytes &&
-         p.N * p.G >= kTeamNarrowRowsUnitsPerSm * p.dev->sms;
+         p.N * p.G >= kTeamNarrowRowsUnitsPerSm * p.dev->sms &&
+         p.bytes() >= kTeamNarrowRowsMinBytes;
 }
 
 void check_request(const Problem& p, const Request& req) {
