@@ -3,7 +3,8 @@ plain GroupNorm on the same input, and against torch.compile of the unfused
 torch sequence (GroupNorm then the activation), which Inductor fuses itself.
 
     python benchmarks/bench_epilogue.py [--quick] [--rows NAME,...] [--shape SPEC ...]
-                                        [--rounds 3] [--no-compile] [--backward] [--json PATH]
+                                        [--rounds 3] [--no-compile] [--backward | --sum]
+                                        [--json PATH]
 
 One process, one GPU, the benchmark suite's forward rows (--quick: its
 quick rows; --rows: the rows of those names), and any --shape
@@ -22,6 +23,12 @@ weight, bias, and of scale and shift where a form takes them), as
 bench_groupnorm.py --training does: each input's backward captured in a
 CUDA graph and replayed; the issue's line: at most 1.10 of the plain
 backward on the same input.
+
+--sum times the full-shape add with return_sum instead: group_norm(x,
+add=a, return_sum=True), which reads x and a and writes s and y, against
+a copy of the same bytes (x.clone() and a.clone(), measured in the same
+run; the issue's line: at most 1.15 of it), our plain GroupNorm, and
+torch.compile of s = x + a, (F.group_norm(s), s).
 """
 
 import argparse
@@ -115,6 +122,41 @@ def run_backward_row(name, shape, groups, dtype, layout, rounds, budget):
             "pass": "backward", "ms": ms, "rounds": times}
 
 
+def run_sum_row(name, shape, groups, dtype, layout, rounds, compile_too, budget):
+    """The full-shape add with return_sum against a copy of the same bytes,
+    the plain forward and torch.compile's sum and GroupNorm, alternating."""
+    xs = make_inputs(shape, dtype, layout, budget // 2)
+    pairs = [(x, torch.randn_like(x)) for x in xs]
+    C = shape[1]
+    w, b = (torch.randn(C, device="cuda", dtype=dtype) for _ in range(2))
+
+    def compiled_sum(t, a):
+        total = t + a
+        return F.group_norm(total, groups, w, b), total
+
+    fns = {
+        "plain": lambda p: gn.group_norm(p[0], groups, w, b),
+        "add_sum": lambda p: gn.group_norm(p[0], groups, w, b, add=p[1], return_sum=True),
+        "copy": lambda p: (p[0].clone(), p[1].clone()),
+    }
+    if compile_too:
+        torch._dynamo.reset()
+        compiled = torch.compile(compiled_sum, dynamic=False)
+        fns["compile_sum"] = lambda p: compiled(*p)
+    times = {}
+    with torch.no_grad():
+        fns = {k: rotating(f, pairs) for k, f in fns.items()}
+        time_ms = row_timer(fns["plain"])
+        for _ in range(rounds):
+            for key, fn in fns.items():
+                times.setdefault(key, []).append(time_ms(fn))
+    del xs, pairs
+    torch.cuda.empty_cache()
+    ms = {k: statistics.median(v) for k, v in times.items()}
+    return {"name": name, "shape": list(shape), "G": groups, "dtype": str(dtype)[6:], "layout": layout,
+            "pass": "sum", "ms": ms, "rounds": times}
+
+
 def shape_row(spec):
     """A --shape row, as the suite's: NxCxHxW/G/dtype/layout."""
     dims, groups, dtype, layout = spec.split("/")
@@ -132,19 +174,56 @@ def main(argv=None):
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile's SiLU")
     parser.add_argument("--backward", action="store_true",
                         help="time the backward alone (no torch.compile contender)")
+    parser.add_argument("--sum", action="store_true",
+                        help="time the full-shape add with return_sum against a copy of its bytes")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
+    if args.backward and args.sum:
+        parser.error("--backward and --sum time different things: one of them")
     budget = torch.cuda.get_device_properties(0).total_memory // 4
-    rows = []
-    epilogues = ["silu", "gelu", "tanh,hardswish", "scale_shift_silu", "add_silu"]
-    print(f"{'row':<58} {'plain ms':>9} " + " ".join(f"{e:>16}" for e in epilogues)
-          + f" {'compile/ours':>12}")
     names = set(args.rows.split(",")) if args.rows else None
     suite = [case for case in SUITE if (not args.quick or case[0] in QUICK) and
              (names is None or case[0] in names)]
     if args.shape and not (args.quick or names):
         suite = []  # the given shapes alone
-    for case in suite + args.shape:
+    if args.sum:
+        rows = sum_rows(suite + args.shape, args.rounds, not args.no_compile, budget)
+    else:
+        rows = epilogue_rows(suite + args.shape, args, budget)
+    if args.json:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                "cuda": torch.version.cuda, "rounds": args.rounds,
+                "pass": "backward" if args.backward else "sum" if args.sum else "forward"}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+def sum_rows(cases, rounds, compile_too, budget):
+    """--sum: each row's times and ratios printed, the worst against the copy last."""
+    print(f"{'row':<58} {'plain ms':>9} {'sum/copy':>9} {'sum/plain':>10} {'compile/ours':>12}")
+    rows = []
+    for case in cases:
+        row = run_sum_row(*case, rounds, compile_too, budget)
+        rows.append(row)
+        ms = row["ms"]
+        key = f"{row['name']} {'x'.join(map(str, row['shape']))} {row['dtype']} {row['layout']}"
+        versus = f"{ms['compile_sum'] / ms['add_sum']:12.2f}" if "compile_sum" in ms else ""
+        print(f"{key:<58} {ms['plain']:9.4f} {ms['add_sum'] / ms['copy']:9.3f} "
+              f"{ms['add_sum'] / ms['plain']:10.3f} {versus}", flush=True)
+    print(f"add with return_sum: worst {max(r['ms']['add_sum'] / r['ms']['copy'] for r in rows):.3f}x "
+          "a copy of its bytes")
+    return rows
+
+
+def epilogue_rows(cases, args, budget):
+    """Each row's epilogues over plain (forward or backward), printed, the
+    worst of each and torch.compile's SiLU against ours last."""
+    rows = []
+    epilogues = ["silu", "gelu", "tanh,hardswish", "scale_shift_silu", "add_silu"]
+    print(f"{'row':<58} {'plain ms':>9} " + " ".join(f"{e:>16}" for e in epilogues)
+          + f" {'compile/ours':>12}")
+    for case in cases:
         row = (run_backward_row(*case, args.rounds, budget) if args.backward else
                run_row(*case, args.rounds, not args.no_compile, budget))
         rows.append(row)
@@ -160,13 +239,7 @@ def main(argv=None):
         speedups = [r["ms"]["compile_silu"] / r["ms"]["silu"] for r in rows]
         geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
         print(f"silu vs torch.compile: slowest row {min(speedups):.2f}x, geomean {geomean:.2f}x")
-    if args.json:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "cuda": torch.version.cuda, "rounds": args.rounds,
-                "pass": "backward" if args.backward else "forward"}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    return 0
+    return rows
 
 
 if __name__ == "__main__":
