@@ -676,7 +676,8 @@ def _check_cuda_arguments(caller, x, groups, weight, bias, eps):
 
 
 # The fused epilogue (issue 24): y = GN(x) * weight + bias, then
-# y * (1 + scale) + shift, then the activations, then y + residual.
+# y * (1 + scale) + shift, then the activations, then y + residual (or the
+# residual before the activations: act(y + residual), a ResNet block's tail).
 # Activation codes are kernels/activation.h's, in its order.
 _ACTIVATION_CODES = {name: code for code, name in enumerate(
     ("silu", "gelu", "gelu_tanh", "relu", "leaky_relu", "tanh", "sigmoid", "hardswish", "mish"))}
@@ -688,13 +689,15 @@ class _Epilogue(typing.NamedTuple):
     """What group_norm applies after the affine: scale and shift as (N, C)
     tensors (views; broadcast shapes expanded) or None, the residual (the
     input's shape) or None, and the activation chain as ((name, slope), ...),
-    slope a float for leaky_relu and None for the others; and before the
-    norm, the kernels' prologue: add, an (N, C) view, or None."""
+    slope a float for leaky_relu and None for the others; before the norm,
+    the kernels' prologue: add, an (N, C) view, or None; residual_first: the
+    residual added before the activations (only with both)."""
     scale: typing.Optional[torch.Tensor]
     shift: typing.Optional[torch.Tensor]
     residual: typing.Optional[torch.Tensor]
     steps: tuple
     add: typing.Optional[torch.Tensor] = None
+    residual_first: bool = False
 
     def tensors(self):
         return [t for t in (self.add, self.scale, self.shift, self.residual) if t is not None]
@@ -830,11 +833,18 @@ def _normalise_sum(caller, input, add, return_sum, normalise):
     return (y, total) if return_sum else y
 
 
-def _check_epilogue(caller, input, scale, shift, activation, residual, add=None):
+def _check_epilogue(caller, input, scale, shift, activation, residual, add=None,
+                    residual_before_activation=False):
     """The epilogue options, checked against input's shape, and the
     prologue's add (an (N, C) view from _prologue_add): an _Epilogue, or
     None when there is nothing to apply."""
     steps = _activation_steps(caller, activation)
+    if not isinstance(residual_before_activation, bool):
+        raise _WrongType(f"{caller}: residual_before_activation must be a bool, got "
+                         f"{type(residual_before_activation).__name__}")
+    if residual_before_activation and residual is None:
+        raise GroupNormError(f"{caller}: residual_before_activation=True adds the residual "
+                             "before the activation, but residual is None")
     if scale is None and shift is None and residual is None and not steps and add is None:
         return None
     if scale is not None:
@@ -848,7 +858,8 @@ def _check_epilogue(caller, input, scale, shift, activation, residual, add=None)
         if residual.shape != input.shape:
             raise GroupNormError(f"{caller}: residual must have the input's shape "
                                  f"{list(input.shape)}, got {list(residual.shape)}")
-    return _Epilogue(scale, shift, residual, steps, add)
+    # without an activation the two orders are one sum
+    return _Epilogue(scale, shift, residual, steps, add, residual_before_activation and bool(steps))
 
 
 def _check_epilogue_like(caller, epilogue, input):
@@ -882,9 +893,11 @@ def _torch_epilogue(y, epilogue):
         y = y * (1 + epilogue.scale.reshape(per_channel))
     if epilogue.shift is not None:
         y = y + epilogue.shift.reshape(per_channel)
+    if epilogue.residual is not None and epilogue.residual_first:
+        y = y + epilogue.residual
     for name, slope in epilogue.steps:
         y = _activate(y, name, slope)
-    if epilogue.residual is not None:
+    if epilogue.residual is not None and not epilogue.residual_first:
         y = y + epilogue.residual
     return y
 
@@ -906,15 +919,15 @@ def _fused_call(caller, epilogue, gamma, beta, groups, eps, kernel, team, lag, x
             load()  # the operator's kernels are the extension's
         return _OPS.forward_fused(x, gamma, beta, groups, eps, epilogue.scale, epilogue.shift,
                                   epilogue.residual, epilogue.codes(), epilogue.slope(),
-                                  epilogue.add)[0]
+                                  epilogue.add, epilogue.residual_first)[0]
     return load().forward_fused(x, gamma, beta, groups, eps, kernel, team, lag, epilogue.scale,
                                 epilogue.shift, epilogue.residual, epilogue.codes(),
-                                epilogue.slope(), epilogue.add)[0]
+                                epilogue.slope(), epilogue.add, epilogue.residual_first)[0]
 
 
 def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, lag=0,
                    scale=None, shift=None, activation=None, residual=None, add=None,
-                   return_sum=False):
+                   return_sum=False, residual_before_activation=False):
     """GroupNorm of a CUDA tensor by this module's kernels, never by torch,
     forward and backward (autograd; under torch.compile / export through the
     registered op groupnorm_inline::forward).
@@ -923,7 +936,8 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     (C,) tensors of x's dtype and device, or None. Returns a new tensor in x's
     dtype and memory format.
 
-    scale, shift, activation, residual: the fused epilogue, as in group_norm
+    scale, shift, activation, residual, residual_before_activation: the
+    fused epilogue, as in group_norm
     (tensors of x's dtype and device), gradients included (torch.compile and
     torch.export trace it as the operator <ns>::forward_fused). add,
     return_sum: the pre-norm sum, as in group_norm.
@@ -940,9 +954,11 @@ def groupnorm_cuda(x, gamma, beta, groups, eps=1e-5, *, kernel="auto", team=0, l
     if (add is not None and prologue is None) or return_sum:
         return _normalise_sum("groupnorm_cuda", x, add, return_sum, lambda total: groupnorm_cuda(
             total, gamma, beta, groups, eps, kernel=kernel, team=team, lag=lag, scale=scale,
-            shift=shift, activation=activation, residual=residual))
+            shift=shift, activation=activation, residual=residual,
+            residual_before_activation=residual_before_activation))
     groups, eps = _check_cuda_arguments("groupnorm_cuda", x, groups, gamma, beta, eps)
-    epilogue = _check_epilogue("groupnorm_cuda", x, scale, shift, activation, residual, prologue)
+    epilogue = _check_epilogue("groupnorm_cuda", x, scale, shift, activation, residual, prologue,
+                               residual_before_activation)
     if epilogue is not None:
         _check_epilogue_like("groupnorm_cuda", epilogue, x)
     if _func_transformed(x, gamma, beta, *(epilogue.tensors() if epilogue else ())):
@@ -1050,7 +1066,8 @@ def _needs_grad(*tensors):
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=None, shift=None,
-               activation=None, residual=None, add=None, return_sum=False, process_group=None):
+               activation=None, residual=None, add=None, return_sum=False, process_group=None,
+               residual_before_activation=False):
     """Same signature and result as torch.nn.functional.group_norm, and an
     optional fused epilogue:
 
@@ -1059,6 +1076,8 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
         y = y * (1 + scale) + shift     scale, shift: (N, C), or like (N, C, 1, ...)
         y = act(y)                      activation: see below
         y = y + residual                residual: the input's shape
+                                        (before act with residual_before_activation=True:
+                                        y = act(y + residual), a ResNet block's tail)
 
     activation: None, "silu", "gelu" (erf), "gelu_tanh", "relu", "leaky_relu"
     (slope 0.01) or ("leaky_relu", slope), "tanh", "sigmoid", "hardswish",
@@ -1070,7 +1089,9 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
     input's layout) is first copied into that layout, a pass over its bytes.
     With gradients, the backward recomputes the value before the activations
     (one pass over the input) and takes the chain back by torch's formulas;
-    nothing full-size is saved beyond the input. CPU tensors (and mixed
+    nothing full-size is saved beyond the input (and the residual, when it
+    comes before the activations: the forward without them recomputes that
+    value, a pass more). CPU tensors (and mixed
     dtypes or devices of weight and bias, which go to torch) compute it by
     the torch ops above, one after another, gradients included.
 
@@ -1104,9 +1125,11 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
     if (add is not None and prologue is None) or return_sum:
         return _normalise_sum("group_norm", input, add, return_sum, lambda total: group_norm(
             total, num_groups, weight, bias, eps, scale=scale, shift=shift, activation=activation,
-            residual=residual, process_group=process_group))
+            residual=residual, process_group=process_group,
+            residual_before_activation=residual_before_activation))
     num_groups, eps = _check_arguments("group_norm", input, num_groups, weight, bias, eps)
-    epilogue = _check_epilogue("group_norm", input, scale, shift, activation, residual, prologue)
+    epilogue = _check_epilogue("group_norm", input, scale, shift, activation, residual, prologue,
+                               residual_before_activation)
     if input.is_cuda and torch.is_autocast_enabled("cuda"):
         # torch's float32 autocast policy: half-precision tensors become
         # float32, float64 ones stay as they are
@@ -1403,7 +1426,8 @@ _SCHEMAS = {
     # forward with the epilogue (scale, shift: (N, C); activations: codes)
     "forward_fused": "forward_fused(Tensor x, Tensor? weight, Tensor? bias, int groups, float eps, "
                      "Tensor? scale, Tensor? shift, Tensor? residual, int[] activations, "
-                     "float slope, Tensor? add=None) -> (Tensor, Tensor, Tensor)",
+                     "float slope, Tensor? add=None, bool residual_first=False) "
+                     "-> (Tensor, Tensor, Tensor)",
     # its backward: dx, dweight, dbias, dscale, dshift, dadd (the last three (N, C))
     "backward_fused": "backward_fused(Tensor dy, Tensor x, Tensor mean, Tensor rstd, "
                       "Tensor? weight, Tensor? bias, int groups, Tensor? scale, Tensor? shift, "
@@ -1446,7 +1470,7 @@ def _forward_fake(x, weight, bias, groups, eps):
 
 
 def _forward_fused_fake(x, weight, bias, groups, eps, scale, shift, residual, activations, slope,
-                        add=None):
+                        add=None, residual_first=False):
     return _forward_fake(x, weight, bias, groups, eps)
 
 
@@ -1927,11 +1951,22 @@ def _scale_step(node, value):
 
 def _add_step(node, value, per_channel):
     """(the add, the other operand) when node's only user adds a shift
-    (per_channel) or a residual to it."""
+    (per_channel) or a residual to it (also `+=`, as timm's ResNet blocks
+    add their shortcut: node has no other user to see the change)."""
     import operator
 
-    step = _only_user_with(node, (operator.add, torch.add), "add")
+    functions = (operator.add, torch.add) if per_channel else (operator.add, torch.add, operator.iadd)
+    step = _only_user_with(node, functions, "add")
     return step if step is not None and _epilogue_operand(step[1], value, per_channel) else None
+
+
+def _residual_before_activation(node, value):
+    """(the add, the residual) when node's only user adds a residual whose
+    only user is an activation (ResNet blocks: act(norm(x) + shortcut))."""
+    step = _add_step(node, value, per_channel=False)
+    if step is None or len(step[0].users) != 1:
+        return None
+    return step if _graph_activation(next(iter(step[0].users)), step[0]) is not None else None
 
 
 def _prologue_step(node, value):
@@ -1962,7 +1997,8 @@ def _fuse_epilogues(graph):
     optional: `* (1 + scale)` and
     `+ shift` with (N, C, 1, ...) tensors (diffusers' scale-shift ResNet
     blocks, AdaGroupNorm), up to _MAX_ACTIVATIONS activations (one
-    leaky_relu slope a chain), `+ residual` of the output's shape. One pass
+    leaky_relu slope a chain), `+ residual` of the output's shape, after
+    the activations or right before them (ResNet blocks). One pass
     over the tensor instead of one more per step. Only where no gradient
     flows (inference, torch.no_grad()): in training the fused backward
     recomputes what it did not save, and its cost against the unfused
@@ -1991,6 +2027,10 @@ def _fuse_epilogues(graph):
         if step is not None:
             last, shift = step
             steps.append(last)
+        residual_first = _residual_before_activation(last, value)
+        if residual_first is not None:
+            last, residual = residual_first
+            steps.append(last)
         chain, slope = [], None
         while len(chain) < _MAX_ACTIVATIONS and len(last.users) == 1:
             user = next(iter(last.users))
@@ -2001,7 +2041,7 @@ def _fuse_epilogues(graph):
             slope = activation[1] if activation[1] is not None else slope
             last = user
             steps.append(last)
-        step = _add_step(last, value, per_channel=False)
+        step = None if residual is not None else _add_step(last, value, per_channel=False)
         if step is not None:
             last, residual = step
             steps.append(last)
@@ -2013,8 +2053,11 @@ def _fuse_epilogues(graph):
         with graph.inserting_before(last):  # after every operand of the steps
             arguments = (x, *node.args[1:], scale, shift, residual, codes,
                          _LEAKY_SLOPE if slope is None else slope)
-            outputs = graph.call_function(_OPS.forward_fused.default,
-                                          arguments if add is None else (*arguments, add))
+            if residual_first is not None:
+                arguments = (*arguments, add, True)
+            elif add is not None:
+                arguments = (*arguments, add)
+            outputs = graph.call_function(_OPS.forward_fused.default, arguments)
             y = graph.call_function(operator.getitem, (outputs, 0))
         y.meta.update(last.meta)
         last.replace_all_uses_with(y)
@@ -2089,7 +2132,8 @@ def _group_norm_pass_class():
             code = b"".join(marshal.dumps(f.__code__) for f in
                             (_rewrite_group_norms, _graph_activation, _fuse_epilogues, _operands,
                              _other_operand, _fixed_size, _epilogue_operand, _only_user_with,
-                             _scale_step, _add_step, _prologue_step))
+                             _scale_step, _add_step, _residual_before_activation,
+                             _prologue_step))
             table = str([(f.__name__, entry) for f, entry in _GRAPH_ACTIVATIONS.items()])
             key = code + table.encode() + _NAMESPACE.encode() + __version__.encode()
             return hashlib.sha256(key).hexdigest()

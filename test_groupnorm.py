@@ -1106,9 +1106,11 @@ def unfused(x, groups, w, b, eps=1e-5, **epilogue):
     return apply_epilogue(F.group_norm(x, groups, w, b, eps), **epilogue)
 
 
-def apply_epilogue(y, scale=None, shift=None, activation=None, residual=None):
+def apply_epilogue(y, scale=None, shift=None, activation=None, residual=None,
+                   residual_before_activation=False):
     """The epilogue of y = GroupNorm(x) by torch ops, one after another:
-    scale and shift per (sample, channel), any of their accepted shapes."""
+    scale and shift per (sample, channel), any of their accepted shapes; the
+    residual last, or before the activations."""
     per_channel = tuple(y.shape[:2]) + (1,) * (y.dim() - 2)
     if scale is not None:
         y = y * (1 + scale.reshape(scale.shape[:2]).expand(y.shape[:2]).reshape(per_channel))
@@ -1118,9 +1120,11 @@ def apply_epilogue(y, scale=None, shift=None, activation=None, residual=None):
              (isinstance(activation, tuple) and activation[:1] == ("leaky_relu",) and
               len(activation) == 2 and not isinstance(activation[1], str))
              else activation or ())
+    if residual is not None and residual_before_activation:
+        y = y + residual
     for step in steps:
         y = F.leaky_relu(y, step[1]) if isinstance(step, tuple) else ACTIVATIONS[step](y)
-    if residual is not None:
+    if residual is not None and not residual_before_activation:
         y = y + residual
     return y
 
@@ -1144,6 +1148,10 @@ EPILOGUES = [
     ("residual", dict(residual=True)),
     ("all", dict(scale=True, shift=True, activation=(("leaky_relu", 0.3), "silu", "gelu_tanh"),
                  residual=True)),
+    # a ResNet block's tail: act(norm(x) + shortcut)
+    ("residual-relu", dict(activation="relu", residual=True, residual_before_activation=True)),
+    ("scale-residual-tanh-hardswish", dict(scale=True, activation=("tanh", "hardswish"),
+                                           residual=True, residual_before_activation=True)),
 ]
 # every option the registers kernel takes at once: no called chain there
 INLINE_ALL = dict(scale=True, shift=True, activation="silu", residual=True)
@@ -1152,7 +1160,7 @@ INLINE_ALL = dict(scale=True, shift=True, activation="silu", residual=True)
 def inline_chain(activation):
     """SiLU or ReLU alone, or no activation: the chains every fused kernel
     applies inline, the registers kernel's only ones."""
-    return activation in (None, "silu", "relu", ("silu",), ("relu",))
+    return activation is None or activation in ("silu", "relu", ("silu",), ("relu",))
 
 
 def epilogue_tensors(x, options, scale_shape=None):
@@ -1169,6 +1177,8 @@ def epilogue_tensors(x, options, scale_shape=None):
         out["residual"] = torch.randn_like(x)
     if "activation" in options:
         out["activation"] = options["activation"]
+    if options.get("residual_before_activation"):
+        out["residual_before_activation"] = True
     return out
 
 
@@ -1377,9 +1387,9 @@ def fake_fused_extension(monkeypatch):
 
         # every argument required, as in load_inline's binding
         def forward_fused(self, x, weight, bias, groups, eps, kernel, team, lag, scale, shift,
-                          residual, activations, slope, add):
+                          residual, activations, slope, add, residual_first):
             calls.append(("forward_fused", kernel, team, lag, scale, shift, residual, activations,
-                          slope))
+                          slope) + ((True,) if residual_first else ()))
             return torch.Tensor.clone(x), None, None
 
     monkeypatch.setattr(gn, "load", Extension)
@@ -1404,9 +1414,54 @@ def test_fused_call_reaches_the_extension_with_codes_and_slope(monkeypatch):
     assert plain == ("forward", "stream", 0, 4) and plain2 == ("forward", "auto", 0, 0)
 
 
+def test_residual_before_activation_reaches_the_kernels_and_torch(monkeypatch):
+    # the flag travels to the extension (and to the operator, below) where
+    # an activation follows; without one the two orders are one sum
+    calls = fake_fused_extension(monkeypatch)
+    x = torch.randn(2, 6, 4).as_subclass(PretendCuda)
+    r = torch.randn(2, 6, 4)
+    gn.group_norm(x, 3, activation="relu", residual=r, residual_before_activation=True)
+    gn.groupnorm_cuda(x, None, None, 3, residual=r, residual_before_activation=True)
+    assert calls[0][-1] is True and calls[0][7] == [gn._ACTIVATION_CODES["relu"]]
+    assert calls[1][-1] == 0.01  # no flag: no activation
+    # CPU tensors: torch's ops in that order, against the sequence written out
+    x, w, b = torch.randn(2, 6, 4, 3), torch.randn(6), torch.randn(6)
+    r, scale = torch.randn(2, 6, 4, 3), torch.randn(2, 6)
+    y = gn.group_norm(x, 3, w, b, scale=scale, activation=("tanh", "relu"), residual=r,
+                      residual_before_activation=True)
+    z = F.group_norm(x, 3, w, b) * (1 + scale[:, :, None, None]) + r
+    torch.testing.assert_close(y, F.relu(torch.tanh(z)))
+    # mistakes: no residual to add first, a flag that is not a bool
+    with pytest.raises(gn.GroupNormError, match="residual_before_activation=True .* residual is None"):
+        gn.group_norm(x, 3, activation="relu", residual_before_activation=True)
+    with pytest.raises(TypeError, match="residual_before_activation must be a bool"):
+        gn.group_norm(x, 3, activation="relu", residual=r, residual_before_activation=1)
+
+
+@cuda
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_gpu_residual_before_activation_on_stream_input(layout):
+    # input that the stream kernels take, which are built without a residual
+    # before the activations (a stream launcher would raise): they add it
+    # last without the activation, then ATen's activation, planned or
+    # forced; the operator refuses the flag without a residual
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    hw = 8 * math.ceil(math.sqrt(2 * l2 / (8 * 64 * 2)) / 8)  # twice L2 in bfloat16
+    x = make_input((8, 64, hw, hw), torch.bfloat16, layout, "cuda", shift=1000.0)
+    assert gn.plan(x, 8, activation="relu")["kernel"] == "stream"  # rows of 16 bytes
+    w, b = affine(64, x.dtype, "cuda", "both")
+    args = dict(activation="relu", residual=torch.randn_like(x), residual_before_activation=True)
+    check_epilogue(x, 8, w, b, args)
+    check_epilogue(x, 8, w, b, dict(args, activation=("tanh", "hardswish")), kernel="stream")
+    with pytest.raises(ValueError, match="residual_first adds the residual before the activations"):
+        torch.ops.groupnorm_inline.forward_fused(x, w, b, 8, 1e-5, None, None, None, [3], 0.01,
+                                                 None, True)
+
+
 def recorded_operators(monkeypatch):
     """gn._OPS stood in for: each forward_fused call's epilogue arguments
-    (scale, shift, residual, codes, slope, add) recorded, the input returned."""
+    (scale, shift, residual, codes, slope, add, residual_first) recorded, the
+    input returned."""
     ops = []
 
     class Operators:
@@ -1474,12 +1529,12 @@ def operators_on_the_cpu():
         return (dx if need_dx else empty, *(affine if need_affine else (empty, empty)))
 
     def forward_fused(x, weight, bias, groups, eps, scale, shift, residual, activations, slope,
-                      add=None):
+                      add=None, residual_first=False):
         if add is not None:
             x = x + add.reshape(x.shape[:2] + (1,) * (x.dim() - 2))
         y, mean, rstd = forward(x, weight, bias, groups, eps)
         steps = tuple((names[c], slope if names[c] == "leaky_relu" else None) for c in activations)
-        epilogue = gn._Epilogue(scale, shift, residual, steps)
+        epilogue = gn._Epilogue(scale, shift, residual, steps, residual_first=residual_first)
         return gn._torch_epilogue(y, epilogue), mean, rstd
 
     def backward_fused(dy, x, mean, rstd, weight, bias, groups, scale, shift, activations, slope,
@@ -1561,15 +1616,19 @@ def unfused_group_norm(x, groups, weight, bias, eps=1e-5):
     return y if bias is None else y + bias.reshape(-1, *[1] * (x.dim() - 2))
 
 
+@pytest.mark.parametrize("order", ["residual last", "residual first"])
 @pytest.mark.parametrize("chain", [[], ["silu"], ["tanh", "hardswish"], ["leaky_relu", "mish"],
                                    ["gelu_tanh", "sigmoid", "relu"]])
 @pytest.mark.parametrize("wanted", ["all", "x", *OPTIONAL_INPUTS, "some absent", "2-D",
                                     "(N, C, 1, 1)"])
-def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_cpu, chain, wanted):
+def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_cpu, chain, wanted,
+                                                              order):
     # the C++ fused autograd over the backward operator (on the CPU: the
     # kernels' algebra in torch ops) against torch's autograd of the unfused
     # sequence, in float64: each input's gradient alone (a mix-up of edges
-    # shows), all at once, with optional inputs absent, and on (N, C) input
+    # shows), all at once, with optional inputs absent, and on (N, C) input;
+    # the residual after the activations or before them (its backward
+    # recomputes the sum by the forward operator, then takes the chain back)
     torch.manual_seed(len(chain))
     shape = (3, 8) if wanted == "2-D" else (3, 8, 5, 4)
     x = torch.randn(shape, dtype=torch.float64) + 2
@@ -1594,12 +1653,14 @@ def test_fused_backward_equals_torch_autograd_of_the_sequence(operators_on_the_c
         y = run(**leaves)
         return dict(zip(sorted(wants), torch.autograd.grad(y, [leaves[k] for k in sorted(wants)], dy)))
 
+    first = order == "residual first"
     ours = gradients(lambda x, weight, bias, scale, shift, residual, add: torch.ops.groupnorm_inline.forward_fused(
-        x, weight, bias, 4, 1e-5, scale, shift, residual, codes, 0.2, add)[0])
+        x, weight, bias, 4, 1e-5, scale, shift, residual, codes, 0.2, add, first)[0])
     steps = tuple(("leaky_relu", 0.2) if n == "leaky_relu" else n for n in chain)
     theirs = gradients(lambda x, weight, bias, scale, shift, residual, add: apply_epilogue(
         unfused_group_norm(x + add.reshape(add.shape[:2] + (1,) * (x.dim() - 2)), 4, weight, bias),
-        scale=scale, shift=shift, residual=residual, activation=steps or None))
+        scale=scale, shift=shift, residual=residual, activation=steps or None,
+        residual_before_activation=first))
     for key in wants:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-9, atol=1e-9, msg=key)
 
@@ -1636,7 +1697,7 @@ def test_fused_call_under_torch_compile_calls_the_operator(monkeypatch):
     gn.group_norm(x, 3, activation=("leaky_relu", 0.2))
     gn.groupnorm_cuda(x, None, None, 3, shift=shift, activation="silu")
     assert calls == []
-    assert ops[0] == (None, None, None, [gn._ACTIVATION_CODES["leaky_relu"]], 0.2, None)
+    assert ops[0] == (None, None, None, [gn._ACTIVATION_CODES["leaky_relu"]], 0.2, None, False)
     assert torch.equal(ops[1][1], shift) and ops[1][3] == [gn._ACTIVATION_CODES["silu"]]
 
 
@@ -3745,17 +3806,10 @@ def _epilogue_graph_case(case):
     return cases[case]
 
 
-@pytest.mark.parametrize("case", ["scale, shift, silu, residual", "shift alone", "factor used twice",
-                                  "time embedding added before", "sum used twice",
-                                  "per channel, not per sample", "scale of another dtype",
-                                  "residual that broadcasts"])
-def test_compile_pass_fuses_scale_shift_and_residual(operators_on_the_cpu, case):
-    # the epilogue's tensors, and an add before the norm, folded into the
-    # fused call where they are exactly (N, C, 1, ...) or the output's
-    # shape, in its dtype; the
-    # compiled function (CPU kernels registered for the operators) equals
-    # the eager one
-    fn, inputs, operands, codes = _epilogue_graph_case(case)
+def compiled_with_the_pass(fn, inputs):
+    """fn compiled without gradients by a backend that runs the pass's two
+    rewrites (CPU kernels registered for the operators), its output checked
+    against the eager one; returns the fused calls the pass made."""
     calls = []
 
     def fusing_backend(gm, example_inputs):
@@ -3770,6 +3824,21 @@ def test_compile_pass_fuses_scale_shift_and_residual(operators_on_the_cpu, case)
     with torch.no_grad():
         compiled = torch.compile(fn, backend=fusing_backend, fullgraph=True)(*inputs)
         torch.testing.assert_close(compiled, fn(*inputs), rtol=1e-5, atol=1e-5)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["scale, shift, silu, residual", "shift alone", "factor used twice",
+                                  "time embedding added before", "sum used twice",
+                                  "per channel, not per sample", "scale of another dtype",
+                                  "residual that broadcasts"])
+def test_compile_pass_fuses_scale_shift_and_residual(operators_on_the_cpu, case):
+    # the epilogue's tensors, and an add before the norm, folded into the
+    # fused call where they are exactly (N, C, 1, ...) or the output's
+    # shape, in its dtype; the
+    # compiled function (CPU kernels registered for the operators) equals
+    # the eager one
+    fn, inputs, operands, codes = _epilogue_graph_case(case)
+    calls = compiled_with_the_pass(fn, inputs)
     if operands is None:
         assert not calls
         return
@@ -3777,6 +3846,37 @@ def test_compile_pass_fuses_scale_shift_and_residual(operators_on_the_cpu, case)
     add = call.args[10] if len(call.args) > 10 else None
     assert tuple(a is not None for a in (*call.args[5:8], add)) == operands
     assert call.args[8] == codes
+
+
+def resnet_tail(t, r):  # timm's Bottleneck: x = bn3(x); x += shortcut; x = act3(x)
+    x = F.group_norm(t, 2)
+    x += r
+    return F.relu(x, inplace=True)
+
+
+def added_twice(t, r):
+    total = F.group_norm(t, 2) + r
+    return F.relu(total) + total
+
+
+@pytest.mark.parametrize("case", ["add, then relu", "+=, then relu in place", "add, then a chain",
+                                  "sum used twice"])
+def test_compile_pass_fuses_a_residual_before_the_activation(operators_on_the_cpu, case):
+    # ResNet blocks add the shortcut between the norm and the activation:
+    # the fused call adds the residual first; a sum used elsewhere too keeps
+    # the activation a graph op (the residual then comes last, nothing after)
+    codes = gn._ACTIVATION_CODES
+    functions = {
+        "add, then relu": (lambda t, r: F.relu(F.group_norm(t, 2) + r), [codes["relu"]], True),
+        "+=, then relu in place": (resnet_tail, [codes["relu"]], True),
+        "add, then a chain": (lambda t, r: F.hardswish(torch.tanh(F.group_norm(t, 2) + r)),
+                              [codes["tanh"], codes["hardswish"]], True),
+        "sum used twice": (added_twice, [], False),
+    }
+    fn, expected_codes, first = functions[case]
+    (call,) = compiled_with_the_pass(fn, (torch.randn(2, 8, 5, 3), torch.randn(2, 8, 5, 3)))
+    assert call.args[7] is not None and call.args[8] == expected_codes
+    assert (len(call.args) > 11 and call.args[11] is True) == first
 
 
 @pytest.mark.parametrize("case", ["weight of another dtype", "autocast"])
@@ -3936,6 +4036,8 @@ def epilogue_tolerance(x, w, args, ref_gn, ref_pre, ref, torch_err, spread):
     value: the kernels compute in float32 and round once."""
     dtype = x.dtype
     big = max(ref_pre.abs().max().item(), ref.abs().max().item())
+    if args.get("residual") is not None:  # the sum, before the activations too
+        big = max(big, ref_pre.abs().max().item() + args["residual"].abs().max().item())
     if dtype in (torch.float16, torch.bfloat16):
         if math.isfinite(torch_err):
             return 1.1 * torch_err + 0.5 * torch.finfo(dtype).eps * ref.abs().max().item()
@@ -4166,8 +4268,10 @@ def off_kinks(dy, x, weight, bias, args, groups=8, eps=1e-5):
     def pre_activation(cast):
         small = {k: cast(args[k]) for k in ("scale", "shift") if k in args}
         weight_, bias_ = (None if t is None else cast(t) for t in (weight, bias))
-        return apply_epilogue(unfused_group_norm(cast(x), groups, weight_, bias_, eps),
-                              **small).double()
+        z = apply_epilogue(unfused_group_norm(cast(x), groups, weight_, bias_, eps), **small)
+        if args.get("residual_before_activation"):
+            z = z + cast(args["residual"])
+        return z.double()
 
     z = pre_activation(torch.Tensor.double)
     delta = 4 * (pre_activation(lambda t: t) - z).abs() + 2 * torch.finfo(x.dtype).eps * z.abs()

@@ -3,7 +3,8 @@ plain GroupNorm on the same input, and against torch.compile of the unfused
 torch sequence (GroupNorm then the activation), which Inductor fuses itself.
 
     python benchmarks/bench_epilogue.py [--quick] [--rows NAME,...] [--shape SPEC ...]
-                                        [--rounds 3] [--no-compile] [--backward | --sum]
+                                        [--rounds 3] [--no-compile]
+                                        [--backward | --sum | --residual]
                                         [--json PATH]
 
 One process, one GPU, the benchmark suite's forward rows (--quick: its
@@ -29,6 +30,11 @@ add=a, return_sum=True), which reads x and a and writes s and y, against
 a copy of the same bytes (x.clone() and a.clone(), measured in the same
 run; the issue's line: at most 1.15 of it), our plain GroupNorm, and
 torch.compile of s = x + a, (F.group_norm(s), s).
+
+--residual times a ResNet block's tail instead: relu(norm(x) + r) with
+residual_before_activation=True, against relu(norm(x)) + r (the residual
+after), our plain GroupNorm, a copy of the same bytes (x.clone() and
+r.clone()) and torch.compile of the unfused sequence.
 """
 
 import argparse
@@ -122,30 +128,45 @@ def run_backward_row(name, shape, groups, dtype, layout, rounds, budget):
             "pass": "backward", "ms": ms, "rounds": times}
 
 
-def run_sum_row(name, shape, groups, dtype, layout, rounds, compile_too, budget):
-    """The full-shape add with return_sum against a copy of the same bytes,
-    the plain forward and torch.compile's sum and GroupNorm, alternating."""
+def pair_contenders(kind, groups, w, b, compile_too):
+    """{name: function of (x, other)}: for --sum (other: the add) the sum with
+    return_sum, for --residual (other: the residual) relu(norm(x) + r) with
+    the residual before and after the ReLU; each with our plain GroupNorm, a
+    copy of both tensors and torch.compile of the unfused sequence."""
+    if kind == "sum":
+        def sequence(t, a):
+            total = t + a
+            return F.group_norm(total, groups, w, b), total
+        fns = {"add_sum": lambda p: gn.group_norm(p[0], groups, w, b, add=p[1], return_sum=True)}
+    else:
+        def sequence(t, r):
+            return F.relu(F.group_norm(t, groups, w, b) + r)
+        fns = {
+            "residual_first": lambda p: gn.group_norm(p[0], groups, w, b, activation="relu",
+                                                      residual=p[1],
+                                                      residual_before_activation=True),
+            "residual_after": lambda p: gn.group_norm(p[0], groups, w, b, activation="relu",
+                                                      residual=p[1]),
+        }
+    fns["plain"] = lambda p: gn.group_norm(p[0], groups, w, b)
+    fns["copy"] = lambda p: (p[0].clone(), p[1].clone())
+    if compile_too:
+        torch._dynamo.reset()
+        compiled = torch.compile(sequence, dynamic=False)
+        fns["compile_sum" if kind == "sum" else "compile_tail"] = lambda p: compiled(*p)
+    return fns
+
+
+def run_pair_row(kind, name, shape, groups, dtype, layout, rounds, compile_too, budget):
+    """The contenders of pair_contenders on fresh (x, other) pairs, alternating."""
     xs = make_inputs(shape, dtype, layout, budget // 2)
     pairs = [(x, torch.randn_like(x)) for x in xs]
     C = shape[1]
     w, b = (torch.randn(C, device="cuda", dtype=dtype) for _ in range(2))
-
-    def compiled_sum(t, a):
-        total = t + a
-        return F.group_norm(total, groups, w, b), total
-
-    fns = {
-        "plain": lambda p: gn.group_norm(p[0], groups, w, b),
-        "add_sum": lambda p: gn.group_norm(p[0], groups, w, b, add=p[1], return_sum=True),
-        "copy": lambda p: (p[0].clone(), p[1].clone()),
-    }
-    if compile_too:
-        torch._dynamo.reset()
-        compiled = torch.compile(compiled_sum, dynamic=False)
-        fns["compile_sum"] = lambda p: compiled(*p)
     times = {}
     with torch.no_grad():
-        fns = {k: rotating(f, pairs) for k, f in fns.items()}
+        fns = {k: rotating(f, pairs)
+               for k, f in pair_contenders(kind, groups, w, b, compile_too).items()}
         time_ms = row_timer(fns["plain"])
         for _ in range(rounds):
             for key, fn in fns.items():
@@ -153,8 +174,8 @@ def run_sum_row(name, shape, groups, dtype, layout, rounds, compile_too, budget)
     del xs, pairs
     torch.cuda.empty_cache()
     ms = {k: statistics.median(v) for k, v in times.items()}
-    return {"name": name, "shape": list(shape), "G": groups, "dtype": str(dtype)[6:], "layout": layout,
-            "pass": "sum", "ms": ms, "rounds": times}
+    return {"name": name, "shape": list(shape), "G": groups, "dtype": str(dtype)[6:],
+            "layout": layout, "pass": kind, "ms": ms, "rounds": times}
 
 
 def shape_row(spec):
@@ -176,43 +197,61 @@ def main(argv=None):
                         help="time the backward alone (no torch.compile contender)")
     parser.add_argument("--sum", action="store_true",
                         help="time the full-shape add with return_sum against a copy of its bytes")
+    parser.add_argument("--residual", action="store_true",
+                        help="time relu(norm(x) + r) with the residual before the activation")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
-    if args.backward and args.sum:
-        parser.error("--backward and --sum time different things: one of them")
+    if args.backward + args.sum + args.residual > 1:
+        parser.error("--backward, --sum and --residual time different things: one of them")
     budget = torch.cuda.get_device_properties(0).total_memory // 4
     names = set(args.rows.split(",")) if args.rows else None
     suite = [case for case in SUITE if (not args.quick or case[0] in QUICK) and
              (names is None or case[0] in names)]
     if args.shape and not (args.quick or names):
         suite = []  # the given shapes alone
-    if args.sum:
-        rows = sum_rows(suite + args.shape, args.rounds, not args.no_compile, budget)
+    if args.sum or args.residual:
+        rows = pair_rows("sum" if args.sum else "residual", suite + args.shape, args.rounds,
+                         not args.no_compile, budget)
     else:
         rows = epilogue_rows(suite + args.shape, args, budget)
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                 "cuda": torch.version.cuda, "rounds": args.rounds,
-                "pass": "backward" if args.backward else "sum" if args.sum else "forward"}
+                "pass": ("backward" if args.backward else "sum" if args.sum else
+                         "residual" if args.residual else "forward")}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
 
 
-def sum_rows(cases, rounds, compile_too, budget):
-    """--sum: each row's times and ratios printed, the worst against the copy last."""
-    print(f"{'row':<58} {'plain ms':>9} {'sum/copy':>9} {'sum/plain':>10} {'compile/ours':>12}")
+# per --sum and --residual: our fused contender, torch.compile's, the
+# contenders ours is printed over (column titles), and the summary's words
+PAIR_COLUMNS = {
+    "sum": ("add_sum", "compile_sum", {"copy": "sum/copy", "plain": "sum/plain"},
+            "add with return_sum"),
+    "residual": ("residual_first", "compile_tail",
+                 {"copy": "first/copy", "plain": "first/plain", "residual_after": "first/after"},
+                 "residual before relu"),
+}
+
+
+def pair_rows(kind, cases, rounds, compile_too, budget):
+    """--sum or --residual: each row's times and ratios printed, the worst
+    against the copy last."""
+    ours, compiled, over, words = PAIR_COLUMNS[kind]
+    print(f"{'row':<58} {'plain ms':>9} " + " ".join(f"{t:>11}" for t in over.values())
+          + f" {'compile/ours':>12}")
     rows = []
     for case in cases:
-        row = run_sum_row(*case, rounds, compile_too, budget)
+        row = run_pair_row(kind, *case, rounds, compile_too, budget)
         rows.append(row)
         ms = row["ms"]
         key = f"{row['name']} {'x'.join(map(str, row['shape']))} {row['dtype']} {row['layout']}"
-        versus = f"{ms['compile_sum'] / ms['add_sum']:12.2f}" if "compile_sum" in ms else ""
-        print(f"{key:<58} {ms['plain']:9.4f} {ms['add_sum'] / ms['copy']:9.3f} "
-              f"{ms['add_sum'] / ms['plain']:10.3f} {versus}", flush=True)
-    print(f"add with return_sum: worst {max(r['ms']['add_sum'] / r['ms']['copy'] for r in rows):.3f}x "
-          "a copy of its bytes")
+        versus = f"{ms[compiled] / ms[ours]:12.2f}" if compiled in ms else ""
+        ratios = " ".join(f"{ms[ours] / ms[k]:11.3f}" for k in over)
+        print(f"{key:<58} {ms['plain']:9.4f} {ratios} {versus}", flush=True)
+    worst = max(r["ms"][ours] / r["ms"]["copy"] for r in rows)
+    print(f"{words}: worst {worst:.3f}x a copy of its bytes")
     return rows
 
 

@@ -19,11 +19,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "GroupNorm forward: [y, mean, rstd]");
   m.def("forward_fused", &forward_fused,
         "GroupNorm forward with its prologue (add) and epilogue (scale, shift, activations, "
-        "residual): [y, mean, rstd]",
+        "residual, before the activations with residual_first): [y, mean, rstd]",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"), pybind11::arg("groups"), pybind11::arg("eps"),
         pybind11::arg("kernel"), pybind11::arg("team"), pybind11::arg("lag"), pybind11::arg("scale"), pybind11::arg("shift"),
         pybind11::arg("residual"), pybind11::arg("activations"), pybind11::arg("slope"),
-        pybind11::arg("add") = pybind11::none());
+        pybind11::arg("add") = pybind11::none(), pybind11::arg("residual_first") = false);
   m.def("backward", &backward, "GroupNorm backward: [dx, dweight, dbias]");
   m.def("register_kernels", &register_kernels,
         "Registers the CUDA and autograd kernels of <namespace>::forward, ::backward, "

@@ -4,8 +4,9 @@
 // The forward epilogue (issue 24) is
 //   s = x + add;  y = GN(s) * gamma + beta;  y = y * (1 + scale) + shift;  y = act(y);
 //   y = y + residual
-// with scale, shift per (sample, channel) and residual in y's layout. Each
-// forward kernel takes it as a compile-time switch (kFused) and, when on, a
+// with scale, shift per (sample, channel) and residual in y's layout, or with
+// residual_first y = act(y + residual) (a ResNet block's tail). Each forward
+// kernel takes it as a compile-time switch (kFused) and, when on, a
 // run-time value (Epilogue<scalar_t, true>): the plain instantiation compiles
 // to the code it had before the epilogue existed, and one fused
 // instantiation a kernel serves every option.
@@ -16,7 +17,8 @@
 //    cast, behind one test of the chain's length per stored vector, in a
 //    called function (activate).
 //  - the residual is read at the element offset y is written at (same
-//    layout), in the store's vector width, and added last.
+//    layout), in the store's vector width, and added last (or before the
+//    activations).
 // The registers kernel takes the inline forms alone (no called chain): with
 // the call it needed up to 73 registers instead of 40; the planner gives
 // calls with a chain another kernel.
@@ -45,6 +47,7 @@ struct Epilogue<scalar_t, true> {
   A slope;                   // LeakyReLU's negative slope
   int activations;           // length of the chain, 0 to kMaxActivations
   uint32_t chain;            // activation i in bits 8i to 8i + 7 (Activation codes)
+  bool residual_first;       // the residual added before the chain, not after
 };
 
 // The prologue: s = x + add[nc], rounded to scalar_t as torch's add rounds,
@@ -267,16 +270,29 @@ __device__ __forceinline__ Vec<scalar_t, V> load_residual(const scalar_t* p) {
   return v;
 }
 
+// Adds the residual's vector at p to v.
+template <typename scalar_t, int V>
+__device__ __forceinline__ void add_residual(acc_t<scalar_t> (&v)[V], const scalar_t* p) {
+  const Vec<scalar_t, V> r = load_residual<scalar_t, V>(p);
+#pragma unroll
+  for (int e = 0; e < V; ++e) v[e] += static_cast<acc_t<scalar_t>>(r.val[e]);
+}
+
 // Writes y[at, at + V) from the affine values v: the activation chain, the
-// residual at the same offset, then the rounding to scalar_t. kCalls: whether
-// a chain other than SiLU or ReLU alone may come, through the call; a kernel
-// built without it is never planned for one (EpilogueArgs::inline_chain).
-template <typename scalar_t, int V, bool kFused, bool kCalls = true>
+// residual at the same offset (before the chain with residual_first), then
+// the rounding to scalar_t. kCalls: whether a chain other than SiLU or ReLU
+// alone may come, through the call; a kernel built without it is never
+// planned for one (EpilogueArgs::inline_chain). kResidualFirst: whether a
+// residual before the chain may come; the stream kernels, at their register
+// bound, are built without it and never planned for one (Problem).
+template <typename scalar_t, int V, bool kFused, bool kCalls = true, bool kResidualFirst = true>
 __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t at,
                                              acc_t<scalar_t> (&v)[V],
                                              const Epilogue<scalar_t, kFused>& ep) {
   using A = acc_t<scalar_t>;
   if constexpr (kFused) {
+    const bool first = kResidualFirst && ep.residual_first;
+    if (first) add_residual<scalar_t, V>(v, ep.residual + at);
     // SiLU (diffusion models) and ReLU (timm, MONAI) alone inline; other
     // chains through the call, which costs its caller saved registers
     if (ep.activations == 1 && ep.chain == uint32_t(Activation::SiLU)) {
@@ -297,11 +313,7 @@ __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t a
         __trap();  // a planning error: loud, never a wrong answer
       }
     }
-    if (ep.residual != nullptr) {
-      const Vec<scalar_t, V> r = load_residual<scalar_t, V>(ep.residual + at);
-#pragma unroll
-      for (int e = 0; e < V; ++e) v[e] += static_cast<A>(r.val[e]);
-    }
+    if (ep.residual != nullptr && !first) add_residual<scalar_t, V>(v, ep.residual + at);
   }
   Vec<scalar_t, V> out;
 #pragma unroll
@@ -311,7 +323,7 @@ __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t a
 
 // A vector of one channel (the contiguous layout) normalised, then the
 // epilogue, stored at y + at.
-template <typename scalar_t, int V, typename A, bool kFused>
+template <typename scalar_t, int V, bool kResidualFirst = true, typename A, bool kFused>
 __device__ __forceinline__ void normalise_store(scalar_t* __restrict__ y, int64_t at,
                                                 const Vec<scalar_t, V>& v, A mean,
                                                 ChannelAffine<A> f,
@@ -319,7 +331,7 @@ __device__ __forceinline__ void normalise_store(scalar_t* __restrict__ y, int64_
   A out[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) out[e] = affine_value(v.val[e], mean, f);
-  store_output<scalar_t, V>(y, at, out, ep);
+  store_output<scalar_t, V, kFused, true, kResidualFirst>(y, at, out, ep);
 }
 
 // Per (sample, channel): dx = alpha * dy - k1 - (x - mu) * k2, with

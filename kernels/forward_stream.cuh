@@ -213,8 +213,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
         if (i < count) {
           const int64_t within = (begin + i) * V;
           const int64_t c = channel_at(within, c0, HxW, fast_div, hxw_div);
-          normalise_store<scalar_t, V>(y, unit * L + within, as_vec<VecT>(v[u]), mu,
-                                       channel_affine(n, c, rs, gamma, beta, ep), ep);
+          normalise_store<scalar_t, V, false>(y, unit * L + within, as_vec<VecT>(v[u]), mu,
+                                              channel_affine(n, c, rs, gamma, beta, ep), ep);
         }
       }
     }

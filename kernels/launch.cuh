@@ -58,6 +58,7 @@ Epilogue<scalar_t, true> typed_epilogue(const EpilogueArgs& e) {
   epilogue.scale = static_cast<const scalar_t*>(e.scale);
   epilogue.shift = static_cast<const scalar_t*>(e.shift);
   epilogue.residual = static_cast<const scalar_t*>(e.residual);
+  epilogue.residual_first = e.residual_first;
   epilogue.C = e.C;
   epilogue.slope = acc_t<scalar_t>(e.slope);
   epilogue.activations = e.activations;

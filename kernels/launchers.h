@@ -26,6 +26,7 @@ struct EpilogueArgs {
   const void* scale = nullptr;
   const void* shift = nullptr;
   const void* residual = nullptr;
+  bool residual_first = false;  // act(y + residual) instead of act(y) + residual; with a chain
   int64_t C = 0;        // channels of a row of scale and shift
   double slope = 0.01;  // LeakyReLU's
   int activations = 0;

@@ -18,6 +18,7 @@
 #include <tuple>
 #include <vector>
 
+#include "activation.h"
 #include "ops.h"
 
 namespace {
@@ -32,7 +33,7 @@ using ForwardFusedOp = Outputs(const at::Tensor&, const c10::optional<at::Tensor
                                const c10::optional<at::Tensor>&, int64_t, double,
                                const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
                                const c10::optional<at::Tensor>&, c10::IntArrayRef, double,
-                               const c10::optional<at::Tensor>&);
+                               const c10::optional<at::Tensor>&, bool);
 
 using FusedGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using BackwardFusedOp = FusedGrads(
@@ -71,9 +72,10 @@ Outputs forward_fused_cuda(const at::Tensor& x, const c10::optional<at::Tensor>&
                            const c10::optional<at::Tensor>& scale,
                            const c10::optional<at::Tensor>& shift,
                            const c10::optional<at::Tensor>& residual, c10::IntArrayRef activations,
-                           double slope, const c10::optional<at::Tensor>& add) {
+                           double slope, const c10::optional<at::Tensor>& add,
+                           bool residual_first) {
   return as_tuple(::forward_fused(x, weight, bias, groups, eps, "auto", 0, 0, scale, shift,
-                                  residual, activations.vec(), slope, add));
+                                  residual, activations.vec(), slope, add, residual_first));
 }
 
 FusedGrads backward_fused_cuda(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
@@ -203,12 +205,51 @@ c10::optional<at::Tensor> optional_of(const at::Tensor& t) {
 
 bool defined(const c10::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
+using groupnorm::Activation;
+
+// An activation's gradient by ATen's derivative formulas: what the backward
+// of a residual added before the activations takes the chain back with.
+at::Tensor activation_gradient(Activation a, const at::Tensor& g, const at::Tensor& in,
+                               const at::Tensor& out, double slope) {
+  switch (a) {
+    case Activation::SiLU: return at::silu_backward(g, in);
+    case Activation::GELU: return at::gelu_backward(g, in);
+    case Activation::GELUTanh: return at::gelu_backward(g, in, "tanh");
+    case Activation::ReLU: return at::threshold_backward(g, out, 0);
+    case Activation::LeakyReLU: return at::leaky_relu_backward(g, in, slope, false);
+    case Activation::Tanh: return at::tanh_backward(g, out);
+    case Activation::Sigmoid: return at::sigmoid_backward(g, out);
+    case Activation::Hardswish: return at::hardswish_backward(g, in);
+    case Activation::Mish: return at::mish_backward(g, in);
+  }
+  TORCH_CHECK(false, "groupnorm: unknown activation");
+}
+
+// dy * act'(v) for the chain applied to v, by ATen: its values forward, then
+// the gradients back.
+at::Tensor chain_gradient(const at::Tensor& dy, const at::Tensor& v,
+                          const std::vector<int64_t>& chain, double slope) {
+  std::vector<at::Tensor> values{v};
+  for (int64_t code : chain) {
+    values.push_back(aten_activation(Activation(code), values.back(), slope));
+  }
+  at::Tensor g = dy;
+  for (size_t i = chain.size(); i-- > 0;) {
+    g = activation_gradient(Activation(chain[i]), g, values[i], values[i + 1], slope);
+  }
+  return g;
+}
+
 // The fused forward's autograd. Saves what the plain GroupNorm saves (x,
 // weight, mean, rstd) and the small tensors (bias, scale, shift, add); no
 // full-size activation. The backward operator recomputes the value before
 // the activations in its kernels (backward_epilogue.cuh) and returns every
-// gradient but the residual's, which is dy. Everything goes through the
-// dispatcher, so torch.compile traces it.
+// gradient but the residual's, which is dy. With the residual added before
+// the activations (residual_first) the residual is saved too (an input: no
+// copy), the forward without the activations recomputes v = z + residual,
+// ATen takes the chain back (g = dy * act'(v), the residual's gradient), and
+// the backward operator runs on g without an activation. Everything goes
+// through the dispatcher, so torch.compile traces it.
 class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFunction> {
  public:
   static torch::autograd::variable_list forward(
@@ -216,19 +257,25 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
       const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias,
       int64_t groups, double eps, const c10::optional<at::Tensor>& scale,
       const c10::optional<at::Tensor>& shift, const c10::optional<at::Tensor>& residual,
-      c10::IntArrayRef activations, double slope, const c10::optional<at::Tensor>& add) {
+      c10::IntArrayRef activations, double slope, const c10::optional<at::Tensor>& add,
+      bool residual_first) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [y, mean, rstd] = operators->forward_fused.call(x, weight, bias, groups, eps, scale, shift,
-                                                         residual, activations, slope, add);
+    auto [y, mean, rstd] = operators->forward_fused.call(
+        x, weight, bias, groups, eps, scale, shift, residual, activations, slope, add,
+        residual_first);
     const auto tensor = [](const c10::optional<at::Tensor>& t) {
       return defined(t) ? *t : at::Tensor();
     };
+    // the residual matters to the backward only before a chain
+    const bool recompute = residual_first && !activations.empty();
     ctx->save_for_backward({x, tensor(weight), tensor(bias), tensor(scale), tensor(shift), mean,
-                            rstd, tensor(add)});
+                            rstd, tensor(add), recompute ? tensor(residual) : at::Tensor()});
     ctx->mark_non_differentiable({mean, rstd});
     ctx->saved_data["groups"] = groups;
+    ctx->saved_data["eps"] = eps;
     ctx->saved_data["activations"] = activations.vec();
     ctx->saved_data["slope"] = slope;
+    ctx->saved_data["recompute"] = recompute;
     // autograd makes an input edge for each defined tensor argument only
     int64_t edge = 1;
     for (const auto& [name, t] :
@@ -243,20 +290,31 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &input = saved[0], &weight = saved[1], &bias = saved[2], &scale = saved[3],
-                     &shift = saved[4], &mean = saved[5], &rstd = saved[6], &add = saved[7];
+                     &shift = saved[4], &mean = saved[5], &rstd = saved[6], &add = saved[7],
+                     &residual = saved[8];
     const auto needs = [&](const char* name) {
       const int64_t index = ctx->saved_data[name].toInt();
       return index >= 0 && ctx->needs_input_grad(size_t(index));
     };
     const int64_t groups = ctx->saved_data["groups"].toInt();
     const double slope = ctx->saved_data["slope"].toDouble();
-    const std::vector<int64_t> chain = ctx->saved_data["activations"].toIntVector();
+    std::vector<int64_t> chain = ctx->saved_data["activations"].toIntVector();
     const bool grad_mode = at::GradMode::is_enabled();  // create_graph
     const bool need_dx = ctx->needs_input_grad(0);
     const bool need_weight = needs("weight"), need_bias = needs("bias");
     const bool need_scale = needs("scale"), need_shift = needs("shift"), need_add = needs("add");
-    const at::Tensor& dy = grads[0];
+    const bool need_residual = needs("residual");
+    at::Tensor dy = grads[0];
     at::Tensor dx, dweight, dbias, dscale, dshift, dadd;
+    if (ctx->saved_data["recompute"].toBool()) {
+      at::NoGradGuard no_grad;
+      const double eps = ctx->saved_data["eps"].toDouble();
+      const at::Tensor v = std::get<0>(operators->forward_fused.call(
+          input, optional_of(weight), optional_of(bias), groups, eps, optional_of(scale),
+          optional_of(shift), residual, {}, slope, optional_of(add), false));
+      dy = chain_gradient(dy, v, chain, slope);  // also the residual's gradient
+      chain.clear();
+    }
     if (need_dx || need_weight || need_bias || need_scale || need_shift || need_add) {
       at::NoGradGuard no_grad;
       std::tie(dx, dweight, dbias, dscale, dshift, dadd) = operators->backward_fused.call(
@@ -280,10 +338,11 @@ class FusedGroupNormFunction : public torch::autograd::Function<FusedGroupNormFu
                                        at::Tensor() /* eps */,
                                        need_scale ? dscale : at::Tensor(),
                                        need_shift ? dshift : at::Tensor(),
-                                       needs("residual") ? dy : at::Tensor(),
+                                       need_residual ? dy : at::Tensor(),
                                        at::Tensor() /* activations */,
                                        at::Tensor() /* slope */,
-                                       need_add ? dadd : at::Tensor()};
+                                       need_add ? dadd : at::Tensor(),
+                                       at::Tensor() /* residual_first */};
     if (!grad_mode) return out;
     // create_graph: gradients of these gradients are refused when asked for
     for (at::Tensor& t : out) {
@@ -301,16 +360,16 @@ Outputs forward_fused_autograd(const at::Tensor& x, const c10::optional<at::Tens
                                const c10::optional<at::Tensor>& shift,
                                const c10::optional<at::Tensor>& residual,
                                c10::IntArrayRef activations, double slope,
-                               const c10::optional<at::Tensor>& add) {
+                               const c10::optional<at::Tensor>& add, bool residual_first) {
   if (!needs_autograd(x) && !needs_autograd(weight) && !needs_autograd(bias) &&
       !needs_autograd(scale) && !needs_autograd(shift) && !needs_autograd(residual) &&
       !needs_autograd(add)) {
     at::AutoDispatchBelowADInplaceOrView below_autograd;
     return operators->forward_fused.call(x, weight, bias, groups, eps, scale, shift, residual,
-                                         activations, slope, add);
+                                         activations, slope, add, residual_first);
   }
   return as_tuple(FusedGroupNormFunction::apply(x, weight, bias, groups, eps, scale, shift,
-                                                residual, activations, slope, add));
+                                                residual, activations, slope, add, residual_first));
 }
 
 }  // namespace

@@ -5,6 +5,14 @@
 #include "ops.h"
 
 #include <ATen/ops/add.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/hardswish.h>
+#include <ATen/ops/leaky_relu.h>
+#include <ATen/ops/mish.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/silu.h>
+#include <ATen/ops/tanh.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
@@ -146,7 +154,7 @@ CheckedEpilogue check_epilogue(const at::Tensor& x, const c10::optional<at::Tens
                                const c10::optional<at::Tensor>& shift,
                                const c10::optional<at::Tensor>& residual,
                                const std::vector<int64_t>& activations, double slope,
-                               const c10::optional<at::Tensor>& add) {
+                               const c10::optional<at::Tensor>& add, bool residual_first) {
   TORCH_CHECK_VALUE(activations.size() <= size_t(kMaxActivations),
                     message("groupnorm: at most ", kMaxActivations, " activations in a chain, got ",
                             activations.size()));
@@ -166,6 +174,10 @@ CheckedEpilogue check_epilogue(const at::Tensor& x, const c10::optional<at::Tens
   e.scale = check_modulation(scale, "scale", x);
   e.shift = check_modulation(shift, "shift", x);
   e.residual = check_residual(residual, x);
+  TORCH_CHECK_VALUE(!residual_first || e.residual.defined(),
+                    "groupnorm: residual_first adds the residual before the activations, but "
+                    "there is no residual");
+  e.args.residual_first = residual_first && !activations.empty();  // else one sum either way
   e.args.C = x.size(1);
   for (auto [tensor, pointer] :
        {std::pair{&e.add, &e.args.add}, std::pair{&e.scale, &e.args.scale},
@@ -212,11 +224,28 @@ const void* data_or_null(const c10::optional<at::Tensor>& t) {
 
 using namespace groupnorm;
 
+at::Tensor aten_activation(Activation a, const at::Tensor& v, double slope, bool in_place) {
+  at::Tensor t = v;
+  switch (a) {
+    case Activation::SiLU: return in_place ? at::silu_(t) : at::silu(v);
+    case Activation::GELU: return in_place ? at::gelu_(t) : at::gelu(v);
+    case Activation::GELUTanh: return in_place ? at::gelu_(t, "tanh") : at::gelu(v, "tanh");
+    case Activation::ReLU: return in_place ? at::relu_(t) : at::relu(v);
+    case Activation::LeakyReLU:
+      return in_place ? at::leaky_relu_(t, slope) : at::leaky_relu(v, slope);
+    case Activation::Tanh: return in_place ? at::tanh_(t) : at::tanh(v);
+    case Activation::Sigmoid: return in_place ? at::sigmoid_(t) : at::sigmoid(v);
+    case Activation::Hardswish: return in_place ? at::hardswish_(t) : at::hardswish(v);
+    case Activation::Mish: return in_place ? at::mish_(t) : at::mish(v);
+  }
+  TORCH_CHECK(false, "groupnorm: unknown activation");
+}
+
 std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
                                 const c10::optional<at::Tensor>& bias, int64_t groups, double eps,
                                 const std::string& kernel, int64_t team, int64_t lag) {
   return forward_fused(x, weight, bias, groups, eps, kernel, team, lag, c10::nullopt, c10::nullopt,
-                       c10::nullopt, {}, 0.01, c10::nullopt);
+                       c10::nullopt, {}, 0.01, c10::nullopt, false);
 }
 
 std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
@@ -226,10 +255,11 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
                                       const c10::optional<at::Tensor>& shift,
                                       const c10::optional<at::Tensor>& residual,
                                       const std::vector<int64_t>& activations, double slope,
-                                      const c10::optional<at::Tensor>& add) {
+                                      const c10::optional<at::Tensor>& add, bool residual_first) {
   Checked c = check_inputs(x, weight, bias, groups, eps);
   const c10::cuda::CUDAGuard guard(x.device());
-  CheckedEpilogue epilogue = check_epilogue(x, scale, shift, residual, activations, slope, add);
+  CheckedEpilogue epilogue =
+      check_epilogue(x, scale, shift, residual, activations, slope, add, residual_first);
   // c.x is dense (contiguous or channels-last-like), so y gets its exact strides.
   const auto outputs = [&] {
     const auto stats = x.options().dtype(acc_dtype(x));
@@ -259,7 +289,17 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
     per_channel.resize(size_t(x.dim()), 1);
     return forward_fused(at::add(c.x, epilogue.add.view(per_channel)), weight, bias, groups, eps,
                          kernel, team, lag, scale, shift, residual, activations, slope,
-                         c10::nullopt);
+                         c10::nullopt, residual_first);
+  }
+  if (epilogue.args.residual_first &&
+      (plan.kernel == ForwardKernel::Stream || plan.kernel == ForwardKernel::StreamChannelsLast)) {
+    // The stream kernels are built without a residual before the activations
+    // (at their register bound; epilogue.cuh): they add it last with no
+    // activation, and ATen applies the chain in place (a pass more).
+    std::vector<at::Tensor> out = forward_fused(x, weight, bias, groups, eps, kernel, team, lag,
+                                                scale, shift, residual, {}, slope, add, false);
+    for (int64_t code : activations) aten_activation(Activation(code), out[0], slope, true);
+    return out;
   }
   const std::vector<at::Tensor> out = outputs();
   const at::Tensor &y = out[0], &mean = out[1], &rstd = out[2];
@@ -400,7 +440,7 @@ std::vector<at::Tensor> backward_fused(
   const Problem& p = c.problem;
   const at::Tensor& xk = c.x;
   CheckedEpilogue epilogue =
-      check_epilogue(x, scale, shift, c10::nullopt, activations, slope, add);
+      check_epilogue(x, scale, shift, c10::nullopt, activations, slope, add, false);
   need_scale = need_scale && epilogue.scale.defined();
   need_shift = need_shift && epilogue.shift.defined();
   need_add = need_add && epilogue.add.defined();
@@ -446,7 +486,7 @@ PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& 
                         const std::vector<int64_t>& activations) {
   Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
   const EpilogueArgs chain = check_epilogue(x, c10::nullopt, c10::nullopt, c10::nullopt,
-                                            activations, 0.0, c10::nullopt).args;
+                                            activations, 0.0, c10::nullopt, false).args;
   c.problem.epilogue = epilogue || chain.any();
   c.problem.called_chain = !chain.inline_chain();
   if (x.numel() == 0)

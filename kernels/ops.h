@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "activation.h"
 #include "plan.h"
 
 // Returns [y, mean, rstd]; mean and rstd are [N, G] in the accumulation type
@@ -23,7 +24,10 @@ std::vector<at::Tensor> forward(const at::Tensor& x, const c10::optional<at::Ten
 // y * (1 + scale) + shift (scale, shift: [N, C] of x's dtype and device, or
 // absent), then the activations in order (Activation codes, activation.h; at
 // most kMaxActivations; slope: LeakyReLU's), then y + residual (x's shape,
-// dtype and device; copied into y's layout first if its strides differ).
+// dtype and device; copied into y's layout first if its strides differ), or
+// with residual_first the residual before the activations (where the planner
+// streams the groups: the residual added last without the activations, then
+// ATen's activations, a pass more).
 // forward() is this without any of them; the operators (library.cpp) and the
 // KernelBench export call that one.
 std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<at::Tensor>& weight,
@@ -33,7 +37,12 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
                                       const c10::optional<at::Tensor>& shift,
                                       const c10::optional<at::Tensor>& residual,
                                       const std::vector<int64_t>& activations, double slope,
-                                      const c10::optional<at::Tensor>& add);
+                                      const c10::optional<at::Tensor>& add, bool residual_first);
+
+// One activation applied to v by ATen (torch's formulas): into a new tensor,
+// or into v itself with in_place.
+at::Tensor aten_activation(groupnorm::Activation a, const at::Tensor& v, double slope,
+                           bool in_place = false);
 
 // Registers forward(), backward(), forward_fused() and backward_fused() as
 // the CUDA and autograd kernels of the operators <ns>::forward, ::backward,
