@@ -284,7 +284,8 @@ __device__ __forceinline__ void add_residual(acc_t<scalar_t> (&v)[V], const scal
 // alone may come, through the call; a kernel built without it is never
 // planned for one (EpilogueArgs::inline_chain). kResidualFirst: whether a
 // residual before the chain may come; the stream kernels, at their register
-// bound, are built without it and never planned for one (Problem).
+// bound, are built without it and never launched with one (forward_fused
+// splits such a call).
 template <typename scalar_t, int V, bool kFused, bool kCalls = true, bool kResidualFirst = true>
 __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t at,
                                              acc_t<scalar_t> (&v)[V],

@@ -19,9 +19,10 @@ const void* stream_channels_last_kernel(int vec) {
 template <typename scalar_t, bool kFused>
 void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                                  WorkspaceAllocator& alloc, cudaStream_t stream) {
-  // Built without a residual before the activations (store_output's kResidualFirst).
-  TORCH_CHECK(!a.epilogue.residual_first, "groupnorm: a stream kernel planned for a residual "
-              "before the activations (a planning error)");
+  // Built without a residual before the activations (store_output's
+  // kResidualFirst): forward_fused splits such a call.
+  TORCH_CHECK(!a.epilogue.residual_first, "groupnorm: a stream kernel launched with a residual "
+              "before the activations (an internal error)");
   using A = acc_t<scalar_t>;
   const StreamConfig& s = plan.stream;
   const TypedForward<scalar_t> f(a);
