@@ -6,14 +6,15 @@ through each kernel forced (the registers kernel alone and in clusters of
 and the (N, C) add with SiLU through the registers and team kernels. Each
 time over the plain forward's.
 
-    python benchmarks/sweep_fused_kernels.py [--rounds 3] [--shape SPEC ...] [--json PATH]
+    python benchmarks/sweep_fused_kernels.py [--rounds 3] [--quick] [--shape SPEC ...] [--json PATH]
 
 One process, one GPU; the contenders alternate for --rounds rounds, each
 time a median of CUDA-graph replays (ab_compare.graph_ms) for rows whose
 plain forward takes under 0.05 ms, else of do_bench. A kernel that refuses
 a shape is left out of its row. The rows are the small shapes where the
 registers kernel and the team kernels compete, or the --shape rows alone
-(NxCxHxW/G/dtype/layout, as bench_epilogue.py takes them).
+(NxCxHxW/G/dtype/layout, as bench_epilogue.py takes them). --quick leaves
+out the forced clusters and the add.
 """
 
 import argparse
@@ -43,27 +44,30 @@ ROWS = [  # (shape, groups, dtype, layout)
 ]
 
 
-def contenders(layout, temb):
+def contenders(layout, temb, quick):
     """{name: groupnorm_cuda keyword arguments}."""
     team = layout  # the team kernel of the input's layout
     silu = dict(activation="silu")
-    return {"plain": {}, "plain registers": dict(kernel="registers"), "plain team": dict(kernel=team),
-            "plain stream": dict(kernel="stream"),
-            "silu auto": silu, "silu registers": dict(silu, kernel="registers"),
-            "silu team": dict(silu, kernel=team), "silu stream": dict(silu, kernel="stream"),
+    kernels = {"plain": {}, "plain registers": dict(kernel="registers"),
+               "plain team": dict(kernel=team), "plain stream": dict(kernel="stream"),
+               "silu auto": silu, "silu registers": dict(silu, kernel="registers"),
+               "silu team": dict(silu, kernel=team), "silu stream": dict(silu, kernel="stream")}
+    if quick:
+        return kernels
+    return {**kernels,
             **{f"silu registers r{ranks}": dict(silu, kernel="registers", team=ranks)
                for ranks in (2, 3, 4, 8)},
             "add_silu registers": dict(silu, add=temb, kernel="registers"),
             "add_silu team": dict(silu, add=temb, kernel=team)}
 
 
-def run_row(shape, groups, dtype, layout, rounds, budget):
+def run_row(shape, groups, dtype, layout, rounds, budget, quick=False):
     inputs = make_inputs(shape, dtype, layout, budget)
     C, N = shape[1], shape[0]
     w, b = (torch.randn(C, device="cuda", dtype=dtype) for _ in range(2))
     temb = torch.randn(N, C, device="cuda", dtype=dtype)
     usable = {}
-    for name, kw in contenders(layout, temb).items():
+    for name, kw in contenders(layout, temb, quick).items():
         try:
             gn.groupnorm_cuda(inputs[0], w, b, groups, **kw)
         except (ValueError, RuntimeError):  # the kernel refuses this shape
@@ -86,6 +90,7 @@ def run_row(shape, groups, dtype, layout, rounds, budget):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="no forced clusters, no add")
     parser.add_argument("--shape", action="append", default=[], type=shape_row,
                         help="a row instead of the built-in ones: NxCxHxW/G/dtype/layout")
     parser.add_argument("--json", help="write the rows here")
@@ -94,14 +99,14 @@ def main(argv=None):
     rows = []
     given = [(shape, groups, dtype, layout) for _, shape, groups, dtype, layout in args.shape]
     for shape, groups, dtype, layout in given or ROWS:
-        row = run_row(shape, groups, dtype, layout, args.rounds, budget)
+        row = run_row(shape, groups, dtype, layout, args.rounds, budget, args.quick)
         rows.append(row)
         ms = row["ms"]
         print(f"{'x'.join(map(str, shape))} {row['dtype']} {layout}: plain {ms['plain']:.4f} ms | " +
               " ".join(f"{k}={v / ms['plain']:.3f}" for k, v in ms.items() if k != "plain"), flush=True)
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "cuda": torch.version.cuda, "rounds": args.rounds}
+                "cuda": torch.version.cuda, "rounds": args.rounds, "quick": args.quick}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
     return 0
