@@ -2543,29 +2543,20 @@ def test_gpu_plan_cuts_small_channels_last_samples_into_blocks():
 
 @cuda
 def test_gpu_plan_takes_registers_kernel_for_small_groups():
-    # Groups of at most 8192 vectors (128 KiB): one CTA per group, either layout.
+    # Groups of at most 8192 vectors (128 KiB): one CTA per group, contiguous;
+    # channels-last groups under 64 KiB on few units.
     for shape, groups, dtype, layout in [((8, 1280, 8, 8), 32, torch.bfloat16, "channels_last"),
                                          ((8, 1280, 8, 8), 32, torch.bfloat16, "contiguous"),
                                          ((4, 32, 8, 8), 8, torch.float32, "contiguous"),
                                          ((4, 512, 64, 64), 32, torch.float16, "contiguous"),
-                                         ((1, 512, 64, 64), 32, torch.float16, "channels_last")]:
+                                         ((2, 640, 32, 32), 32, torch.float16, "channels_last"),
+                                         ((32, 1280, 16, 16), 32, torch.float16, "channels_last")]:
         x = make_input(shape, dtype, layout, "cuda", shift=1000.0)
         plan = gn.plan(x, groups)
         assert plan["kernel"] == "registers", plan
         assert plan["layout"] == layout, plan
         check_against_reference(x, groups, *affine(shape[1], dtype, "cuda", "both"))
         check_saved_statistics(x, groups)
-    # Groups of 10 channels, which need 4-byte vectors in channels-last: a
-    # cluster of CTAs shares each (where the device has clusters).
-    x = make_input((2, 320, 64, 64), torch.float16, "channels_last", "cuda", shift=1000.0)
-    plan = gn.plan(x, 32)
-    if torch.cuda.get_device_capability() >= (9, 0):
-        assert (plan["kernel"] == "registers" and plan["layout"] == "channels_last" and
-                plan["vec"] == 2 and plan["ranks"] == 5), plan
-        check_against_reference(x, 32, *affine(320, x.dtype, "cuda", "both"))
-        check_saved_statistics(x, 32)
-    else:
-        assert plan["kernel"] == "channels_last", plan
     # Groups of 2 MiB (more than a cluster holds) of an input under an eighth
     # of L2: a team kernel.
     x = make_input((1, 64, 128, 128), torch.float32, "channels_last", "cuda")
@@ -2623,6 +2614,42 @@ def test_gpu_plan_takes_team_kernel_for_narrow_channels_last_rows():
     assert gn.plan(small, 32)["kernel"] == "registers", gn.plan(small, 32)
     wide = make_input((32, 256, 14, 14), torch.bfloat16, "channels_last", "cuda")  # 16-byte rows
     assert gn.plan(wide, 32)["kernel"] == "registers", gn.plan(wide, 32)
+
+
+@cuda
+def test_gpu_plan_takes_team_kernel_for_many_or_large_channels_last_groups():
+    # Channels-last groups the registers kernel holds but the team kernel
+    # serves faster take it, plain or fused; forced, the registers kernel
+    # serves them: groups of at least 12 KiB in rows under 64 bytes on six
+    # units an SM (timm resnet50_gn's 512 channels at 28x28); groups of 16
+    # vectors a thread (one CTA an SM) on more units than SMs; groups of at
+    # least 64 KiB (the SD VAE's 512 channels at 64x64, MONAI's 3-D blocks).
+    # Groups only a cluster could hold (the SD UNet's 2x320x64x64, 4-byte
+    # vectors) take the team kernel as well. Fewer such groups, or wider
+    # rows, keep the registers kernel.
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for shape, groups, dtype, why in [((32, 512, 28, 28), 32, torch.bfloat16, "12 KiB"),
+                                      ((16, 1024, 28, 28), 32, torch.bfloat16, "one wave"),
+                                      ((1, 512, 64, 64), 32, torch.bfloat16, "64 KiB"),
+                                      ((1, 128, 16, 16, 16), 8, torch.bfloat16, "64 KiB"),
+                                      ((2, 320, 64, 64), 32, torch.float16, "")]:
+        x = make_input(shape, dtype, "channels_last", "cuda", shift=1000.0)
+        plan = gn.plan(x, groups)
+        assert plan["kernel"] == "channels_last" and why in plan["reason"], plan
+        assert gn.plan(x, groups, activation="silu")["kernel"] == "channels_last"
+        if why:  # one CTA a group (the last row needs a cluster)
+            assert gn.plan(x, groups, kernel="registers")["kernel"] == "registers"
+        w, b = affine(shape[1], dtype, "cuda", "both")
+        check_against_reference(x, groups, w, b)
+        check_saved_statistics(x, groups)
+        check_epilogue(x, groups, w, b, dict(activation="silu"))
+    assert 32 * 32 >= 6 * sms > 16 * 32 and 16 * 32 > sms
+    for shape, dtype in [((16, 512, 28, 28), torch.bfloat16),  # 3.9 units an SM
+                         ((32, 1024, 14, 14), torch.bfloat16),  # rows of 64 bytes
+                         ((2, 640, 32, 32), torch.float16)]:  # 40 KiB groups on 64 units
+        x = make_input(shape, dtype, "channels_last", "cuda")
+        assert gn.plan(x, 32)["kernel"] == "registers", gn.plan(x, 32)
+    assert gn.plan(x, 32, activation="silu")["kernel"] == "channels_last"  # 5120 vectors
 
 
 @cuda

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 #include <optional>
+#include <string>
 
 #include "kernel_shapes.h"
 #include "launchers.h"
@@ -42,16 +43,20 @@ constexpr int64_t kEachMergeShare = 8;
 // channels-last lag spans when one CTA merges each unit.
 constexpr int64_t kLagL2Share = 4;
 constexpr int kRowsFrontsOnce = 3;
-// Registers kernel in clusters: CTA size while 8 of them hold the group, and
-// the inputs it is chosen for (channels-last, small, rows of at least
-// kRegistersMinRowBytes); channels-last groups of narrower rows on many
-// units take the team kernel instead of one CTA each
-// (team_serves_channels_last).
+// Registers kernel in clusters: CTA size while 8 of them hold the group.
+// Channels-last groups the team kernel serves faster than the registers
+// kernel (team_over_registers): rows under kRegistersMinRowBytes on
+// kTeamNarrowRowsUnitsPerSm units an SM in kTeamNarrowRowsMinBytes of input;
+// groups of kTeamManyGroupsMinBytes in rows under kTeamManyGroupsMaxRowBytes
+// on kTeamManyGroupsUnitsPerSm units an SM; groups of kTeamLargeGroupBytes.
 constexpr int kRegistersClusterThreads = 256;
-constexpr int64_t kRegistersClusterMaxBytes = 8 << 20;
 constexpr int64_t kRegistersMinRowBytes = 16;
 constexpr int64_t kTeamNarrowRowsUnitsPerSm = 2;
 constexpr int64_t kTeamNarrowRowsMinBytes = 2 << 20;
+constexpr int64_t kTeamManyGroupsUnitsPerSm = 6;
+constexpr int64_t kTeamManyGroupsMinBytes = 12 << 10;
+constexpr int64_t kTeamManyGroupsMaxRowBytes = 64;
+constexpr int64_t kTeamLargeGroupBytes = 64 << 10;
 // A call with an epilogue: the registers kernel only for groups of at most
 // kRegistersFusedMaxVectors in one CTA (the activation's arithmetic on one
 // SM outweighs the single read beyond), or for contiguous input in clusters
@@ -357,16 +362,11 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
                         : kRegistersFewItems;
   if (!forced) {
     // Inputs at least as large as L2 only in the few-items form on contiguous
-    // groups; a plain call's clusters only for small channels-last inputs of
-    // wide enough rows, a fused call's only for contiguous input (above).
+    // groups; clusters only for a fused call on contiguous input (above).
     if (p.larger_than_l2() && (p.channels_last || items != kRegistersFewItems)) return std::nullopt;
-    if (p.epilogue) {
-      if ((vectors + ranks - 1) / ranks > kRegistersFusedMaxVectors ||
-          (ranks > 1 && p.channels_last)) {
-        return std::nullopt;
-      }
-    } else if (ranks > 1 && !(p.channels_last && p.bytes() <= kRegistersClusterMaxBytes &&
-                              D * p.elem >= kRegistersMinRowBytes)) {
+    if (p.epilogue ? (vectors + ranks - 1) / ranks > kRegistersFusedMaxVectors ||
+                         (ranks > 1 && p.channels_last)
+                   : ranks > 1) {
       return std::nullopt;
     }
   }
@@ -395,16 +395,34 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
   return plan;
 }
 
-// Whether the team kernel serves channels-last groups faster than the
-// registers kernel: rows narrower than kRegistersMinRowBytes, of which a
-// warp's loads use a fraction of each sector, on at least
-// kTeamNarrowRowsUnitsPerSm units an SM and kTeamNarrowRowsMinBytes of input
-// (smaller launches are latency-bound, where the registers kernel's single
-// pass wins).
-bool team_serves_channels_last(const Problem& p) {
-  return p.channels_last && p.D() * p.elem < kRegistersMinRowBytes &&
-         p.N * p.G >= kTeamNarrowRowsUnitsPerSm * p.dev->sms &&
-         p.bytes() >= kTeamNarrowRowsMinBytes;
+// Why the team kernel serves these channels-last groups faster than the
+// registers kernel's `plan`, or "" where it does not:
+// - rows narrower than kRegistersMinRowBytes, of which a warp's loads use a
+//   fraction of each sector, on many units in enough input (smaller launches
+//   are latency-bound, where the registers kernel's single pass wins);
+// - many mid-size groups of narrow rows, half of each DRAM burst a CTA;
+// - groups of 16 vectors a thread, one CTA an SM, in more than one wave;
+// - large groups, each of which one SM pulls alone.
+std::string team_over_registers(const Problem& p, const ForwardPlan& plan) {
+  if (!p.channels_last) return "";
+  const int64_t units = p.N * p.G;
+  const int64_t group_bytes = p.bytes() / units;
+  const int64_t row_bytes = p.D() * p.elem;
+  if (row_bytes < kRegistersMinRowBytes && units >= kTeamNarrowRowsUnitsPerSm * p.dev->sms &&
+      p.bytes() >= kTeamNarrowRowsMinBytes) {
+    return "channels-last group rows narrower than 16 bytes on many units";
+  }
+  if (row_bytes < kTeamManyGroupsMaxRowBytes && units >= kTeamManyGroupsUnitsPerSm * p.dev->sms &&
+      group_bytes >= kTeamManyGroupsMinBytes) {
+    return "channels-last groups of at least 12 KiB in rows under 64 bytes, many an SM";
+  }
+  if (plan.registers.items == kRegistersManyItems && units > p.dev->sms) {
+    return "channels-last groups of one registers CTA an SM, more than one wave";
+  }
+  if (group_bytes >= kTeamLargeGroupBytes && row_bytes >= kRegistersMinRowBytes) {
+    return "channels-last groups of at least 64 KiB";
+  }
+  return "";
 }
 
 void check_request(const Problem& p, const Request& req) {
@@ -447,10 +465,10 @@ ForwardPlan choose_forward(const Problem& p, const Request& req) {
     // registers (epilogue.cuh).
     if (!p.called_chain) {
       if (auto plan = registers(p, false)) {
-        if (!team_serves_channels_last(p)) return *plan;
+        const std::string why = team_over_registers(p, *plan);
+        if (why.empty()) return *plan;
         if (auto team = team_channels_last(p, false, 0)) {
-          team->reason =
-              "channels-last group rows narrower than 16 bytes on many units; " + team->reason;
+          team->reason = why + "; " + team->reason;
           return *team;
         }
         return *plan;
