@@ -31,7 +31,7 @@ constexpr int64_t kStreamMinPieces = 8;
 // Channels-last stream: input of at least 1/kStreamRowsMinL2Share of L2, and
 // a single sample's units each at most 1/kStreamRowsMaxUnitL2Share of it
 // (larger units are read twice from DRAM).
-constexpr int64_t kStreamRowsMinL2Share = 8;
+constexpr int64_t kStreamRowsMinL2Share = 2;
 constexpr int64_t kStreamRowsMaxUnitL2Share = 4;
 // Channels-last stream: a piece's partials take at most 1/kMaxPartialShare of
 // its bytes (beyond that the ring and merges outweigh the gain), and every
@@ -303,7 +303,7 @@ std::optional<ForwardPlan> stream_channels_last(const Problem& p, bool forced, i
   });
   plan_stream(plan, p, kernel, pieces, piece_bytes, s.each_merges ? 1 : kRowsFrontsOnce,
               forced_lag);
-  plan.reason = forced ? "stream requested" : "input at least an eighth of L2's size";
+  plan.reason = forced ? "stream requested" : "input at least half of L2's size";
   return plan;
 }
 
