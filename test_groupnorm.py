@@ -2544,7 +2544,8 @@ def test_gpu_plan_cuts_small_channels_last_samples_into_blocks():
 @cuda
 def test_gpu_plan_takes_registers_kernel_for_small_groups():
     # Groups of at most 8192 vectors (128 KiB): one CTA per group, contiguous;
-    # channels-last groups under 64 KiB on few units.
+    # channels-last groups under 64 KiB where the team kernel is not faster
+    # (few units, or rows of 64 bytes and more).
     for shape, groups, dtype, layout in [((8, 1280, 8, 8), 32, torch.bfloat16, "channels_last"),
                                          ((8, 1280, 8, 8), 32, torch.bfloat16, "contiguous"),
                                          ((4, 32, 8, 8), 8, torch.float32, "contiguous"),
