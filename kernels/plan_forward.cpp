@@ -48,7 +48,8 @@ constexpr int kRowsFrontsOnce = 3;
 // kernel (team_over_registers): rows under kRegistersMinRowBytes on
 // kTeamNarrowRowsUnitsPerSm units an SM in kTeamNarrowRowsMinBytes of input;
 // groups of kTeamManyGroupsMinBytes in rows under kTeamManyGroupsMaxRowBytes
-// on kTeamManyGroupsUnitsPerSm units an SM; groups of kTeamLargeGroupBytes.
+// on kTeamManyGroupsUnitsPerSm units an SM; the 16-vector form on more units
+// than SMs; groups of kTeamLargeGroupBytes in rows of kRegistersMinRowBytes.
 constexpr int kRegistersClusterThreads = 256;
 constexpr int64_t kRegistersMinRowBytes = 16;
 constexpr int64_t kTeamNarrowRowsUnitsPerSm = 2;
