@@ -10,6 +10,7 @@ import copy
 import errno
 import importlib.util
 import inspect
+import json
 import math
 import os
 import pickle
@@ -3671,6 +3672,27 @@ def test_models_benchmark_swaps_every_groupnorm_of_tiny_models(name):
     assert list(swapped.state_dict()) == list(model.state_dict())
     swapped.load_state_dict(model.state_dict())
     model.load_state_dict(swapped.state_dict())
+
+
+def test_profile_models_train_mode_reports_both_variants_and_the_bound(tmp_path):
+    # profile_models.py --mode train at toy sizes on the CPU (its operators'
+    # times stand in for kernels): wall and profiled times of both variants,
+    # the bound, the JSON
+    pytest.importorskip("timm")
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    import profile_models
+
+    path = tmp_path / "train.json"
+    report = profile_models.main(["--tiny", "--mode", "train", "--models", "resnet50_gn",
+                                  "--variants", "torch,ours", "--calls", "1", "--rounds", "1",
+                                  "--json", str(path)])
+    entry = report["models"]["resnet50_gn"]
+    assert set(entry) == {"torch", "ours", "bound_without_groupnorm"}, entry
+    for variant in ("torch", "ours"):
+        assert entry[variant]["wall_unprofiled_ms"] > 0 and entry[variant]["kernel_ms"] > 0
+    rest = entry["ours"]["kernel_ms"] - entry["ours"]["groupnorm_named_ms"]
+    assert entry["bound_without_groupnorm"] == pytest.approx(entry["torch"]["kernel_ms"] / rest)
+    assert json.loads(path.read_text())["mode"] == "train"
 
 
 def test_models_benchmark_pass_variant_compiles_with_the_pass_and_removes_it():

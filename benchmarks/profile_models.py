@@ -2,12 +2,19 @@
 and against the compile pass: the kernels of a few calls under
 torch.profiler, summed per kernel.
 
-    python3 benchmarks/profile_models.py [--models vae] [--mode compile] [--calls 5] [--top 12]
-                                         [--variants torch,ours,pass] [--json PATH] [--tiny]
+    python3 benchmarks/profile_models.py [--models vae] [--mode compile] [--calls 5] [--rounds 3]
+                                         [--top 12] [--variants torch,ours,pass] [--json PATH]
+                                         [--tiny]
+
+--mode train profiles models.py's eager training step (forward and
+backward) of "torch" and "ours" instead, and prints what bounds the step's
+speedup from GroupNorm alone: torch's kernel time over the time of ours'
+kernels that are not GroupNorm's (the speedup if GroupNorm took none).
 
 The same models as models.py (its builders, inputs and variants): "torch"
 (as shipped), "ours" (replace_groupnorm) and "pass" (as shipped, compiled
-with enable_compile_fusion()). Per variant: wall time per call, the sum of
+with enable_compile_fusion()). Per variant: wall time per call (the median
+of --rounds alternating rounds unprofiled, then profiled), the sum of
 its GPU kernels' times per call (their gap is host time the GPU waited
 for), the kernels launched per call, and the kernels that take the most
 time, GroupNorm's own marked. --tiny: toy sizes on the CPU, the profile of
@@ -19,6 +26,7 @@ import collections
 import copy
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -36,6 +44,9 @@ def variants(name, mode, tiny, device, wanted):
     """{variant: callable} for one model, each of `wanted` compiled in `mode`."""
     model, args, dtype, cl, call = models.prepare(name, tiny, device)
     built = models.variant_models(model, dtype, cl)
+    if mode == "train":  # eager: the compile pass has nothing to rewrite
+        return {v: (lambda m=m: models.training_step(m, call, args))
+                for v, m in built.items() if v in wanted}
     built["pass"] = copy.deepcopy(built["torch"])  # its own copy, as models.py's
     return {v: models.compiled_variant({}, m, models.with_compile_fusion(call) if v == "pass" else call,
                                        args, mode)[0]
@@ -63,8 +74,10 @@ def kernel_table(prof, device, calls):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="vae")
-    parser.add_argument("--mode", default="compile", choices=("compile", "reduce-overhead"))
+    parser.add_argument("--mode", default="compile", choices=("compile", "reduce-overhead", "train"))
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating rounds of --calls unprofiled calls per variant")
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--json")
     parser.add_argument("--variants", default="torch,ours,pass")
@@ -73,23 +86,42 @@ def main(argv=None):
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.tiny:
         parser.error("no CUDA device: only --tiny runs on the CPU")
-    models.warm_inductor(device)
+    if args.mode != "train":  # eager: nothing to compile
+        models.warm_inductor(device)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "mode": args.mode,
               "calls": args.calls, "models": {}}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def unprofiled_ms(fn):
+        sync()
+        start = time.perf_counter()
+        for _ in range(args.calls):
+            fn()
+        sync()
+        return (time.perf_counter() - start) * 1e3 / args.calls
+
     for name in args.models.split(","):
         entry = report["models"][name] = {}
-        for variant, fn in variants(name, args.mode, args.tiny, device, args.variants.split(",")).items():
+        fns = variants(name, args.mode, args.tiny, device, args.variants.split(","))
+        # wall times first, alternating, before any profile: a profile leaves
+        # CUPTI loaded, which slows every later launch of the process (so one
+        # model a process where wall times matter)
+        walls = {variant: [] for variant in fns}
+        for fn in fns.values():
             fn()  # warm
-            if device.type == "cuda":
-                torch.cuda.synchronize()
+        for _ in range(args.rounds):
+            for variant, fn in fns.items():
+                walls[variant].append(unprofiled_ms(fn))
+        for variant, fn in fns.items():
+            unprofiled = statistics.median(walls[variant])
+            sync()
             start = time.perf_counter()
             with profile(activities=activities) as prof:
                 for _ in range(args.calls):
                     fn()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                sync()
             wall = (time.perf_counter() - start) * 1e3 / args.calls
             busy, launches, totals = kernel_table(prof, device, args.calls)
             ours = any("groupnorm::" in k for k in totals)
@@ -98,13 +130,21 @@ def main(argv=None):
                                    f"{'some' if ours else 'none'} of groupnorm_inline's kernels")
             top = totals.most_common(args.top)
             groupnorm_ms = sum(ms for k, ms in totals.items() if any(m in k for m in GROUPNORM_MARKS))
-            entry[variant] = {"wall_ms": wall, "kernel_ms": busy, "kernels": launches,
-                              "groupnorm_named_ms": groupnorm_ms, "top": top}
-            print(f"{name} {variant}: wall {wall:.2f} ms a call (profiled), kernels {busy:.2f} ms "
-                  f"in {launches:.0f} launches, named GroupNorm {groupnorm_ms:.2f} ms", flush=True)
+            entry[variant] = {"wall_ms": wall, "wall_unprofiled_ms": unprofiled, "kernel_ms": busy,
+                              "kernels": launches, "groupnorm_named_ms": groupnorm_ms, "top": top}
+            print(f"{name} {variant}: wall {unprofiled:.2f} ms a call ({wall:.2f} profiled), kernels "
+                  f"{busy:.2f} ms in {launches:.0f} launches, named GroupNorm {groupnorm_ms:.2f} ms",
+                  flush=True)
             for kernel, ms in top:
                 mark = " *" if any(m in kernel for m in GROUPNORM_MARKS) else ""
                 print(f"    {ms:8.3f} ms  {kernel[:110]}{mark}")
+        if {"torch", "ours"} <= entry.keys():
+            # ours' GroupNorm kernels are all named (groupnorm::); the rest is
+            # what the model does besides, the same work in both variants
+            rest = entry["ours"]["kernel_ms"] - entry["ours"]["groupnorm_named_ms"]
+            entry["bound_without_groupnorm"] = entry["torch"]["kernel_ms"] / rest
+            print(f"{name}: torch's kernels over ours' without GroupNorm's: "
+                  f"{entry['bound_without_groupnorm']:.2f}x (the most GroupNorm alone can give)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
