@@ -21,7 +21,11 @@ rounds:
 - aten_neg_operator: torch.ops.aten.neg.default, an operator of one
   allocation and one launch called the way compiled code calls ours: the
   floor of any operator on this host;
-- three_allocations: the caching allocator's share of ours (y, mean, rstd).
+- three_allocations: the caching allocator's share of ours (y, mean, rstd);
+- module_train, module_train_silu: a training step's share, our GroupNorm
+  module's forward (without, then with its fused SiLU) and backward on an
+  input that requires grad, as timm's layers call it; torch_module_train,
+  torch_module_train_silu: nn.GroupNorm's (and F.silu's) the same way.
 """
 
 import argparse
@@ -32,6 +36,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import groupnorm_inline as gn  # noqa: E402
@@ -49,6 +54,14 @@ def contenders(x, w, b, groups):
     compiled = torch.compile(lambda t: gn.group_norm(t, groups, w, b), fullgraph=True)
     x_grad = x.clone().requires_grad_()
     stats = (x.shape[0], groups)  # mean's and rstd's shape
+    C = x.shape[1]
+    ours, ours_silu = (gn.GroupNorm(groups, C, activation=a).to(x.device) for a in (None, "silu"))
+    theirs = torch.nn.GroupNorm(groups, C).to(x.device)
+    dy = torch.randn_like(x)
+
+    def train_step(module, activation=lambda t: t):
+        # gradients accumulate into x_grad and the parameters, alike for all
+        return lambda: activation(module(x_grad)).backward(dy)
     return {
         "extension": lambda: extension.forward(x, w, b, groups, 1e-5, "auto", 0, 0),
         "operator": lambda: op(x, w, b, groups, 1e-5),
@@ -59,6 +72,10 @@ def contenders(x, w, b, groups):
         "aten_neg_operator": lambda: torch.ops.aten.neg.default(x),
         "three_allocations": lambda: (torch.empty_like(x), torch.empty(stats, device=x.device),
                                       torch.empty(stats, device=x.device)),
+        "module_train": train_step(ours),
+        "module_train_silu": train_step(ours_silu),
+        "torch_module_train": train_step(theirs),
+        "torch_module_train_silu": train_step(theirs, F.silu),
     }
 
 
