@@ -43,6 +43,7 @@ except ImportError:  # Windows: torch's own build lock only
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 __version__ = "0.1.0"
 __all__ = [
@@ -731,12 +732,21 @@ def _is_leaky_with_slope(value):
             and isinstance(value[1], numbers.Real) and not isinstance(value[1], bool))
 
 
+# the steps of each activation name seen (every call of a layer passes its own)
+_NAMED_STEPS = {}
+
+
 def _activation_steps(caller, activation):
     """activation (None, a name, ("leaky_relu", slope) or a tuple chain of
     these) as a tuple of (name, slope) steps, applied in order."""
     if activation is None:
         return ()
-    if isinstance(activation, str) or _is_leaky_with_slope(activation):
+    if type(activation) is str:
+        steps = _NAMED_STEPS.get(activation)
+        if steps is None:
+            steps = _NAMED_STEPS[activation] = (_activation_step(caller, activation),)
+        return steps
+    if _is_leaky_with_slope(activation):
         steps = (_activation_step(caller, activation),)
     elif isinstance(activation, (tuple, list)):
         steps = tuple(_activation_step(caller, item) for item in activation)
@@ -1052,8 +1062,9 @@ def _func_transformed(*tensors):
     if torch.compiler.is_compiling():
         return False
     wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-    if any(t is not None and wrapped(t) for t in tensors):
-        return True
+    for t in tensors:
+        if t is not None and wrapped(t):
+            return True
     # dual tensors exist only inside a dual_level() context, which sets the level
     level = torch.autograd.forward_ad._current_level
     return level >= 0 and any(
@@ -1062,7 +1073,11 @@ def _func_transformed(*tensors):
 
 
 def _needs_grad(*tensors):
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if torch.is_grad_enabled():
+        for t in tensors:
+            if t is not None and t.requires_grad:
+                return True
+    return False
 
 
 def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=None, shift=None,
@@ -1404,11 +1419,9 @@ def _kernels_available():
 
 def _single_value_per_channel(input, num_groups):
     """torch.nn.functional.group_norm refuses inputs whose (N * C / G) x spatial
-    extent is a single value; so does group_norm, for the same semantics."""
-    count = input.shape[0] * (input.shape[1] // num_groups)
-    for size in input.shape[2:]:
-        count *= size
-    return count == 1
+    extent is a single value; so does group_norm, for the same semantics.
+    (num_groups divides C: that extent is numel / G.)"""
+    return input.numel() == num_groups
 
 
 # ---------------------------------------------------------------------------
@@ -1629,14 +1642,18 @@ def _activation_name(module):
 
 def _hooked(*modules):
     """Whether any hook would see these modules run (theirs or global ones):
-    then they must run as modules, not inside a kernel."""
-    from torch.nn.modules import module as torch_module
-
-    own = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    shared = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-              "_global_backward_pre_hooks")
-    return (any(getattr(m, name, None) for m in modules for name in own)
-            or any(getattr(torch_module, name, None) for name in shared))
+    then they must run as modules, not inside a kernel. (Read from the
+    modules' __dict__: every forward of a fused layer asks.)"""
+    shared = _torch_module
+    if (shared._global_forward_hooks or shared._global_forward_pre_hooks
+            or shared._global_backward_hooks or shared._global_backward_pre_hooks):
+        return True
+    for m in modules:
+        own = getattr(m, "__dict__", {})  # a module, or None where one was set to None
+        if (own.get("_forward_hooks") or own.get("_forward_pre_hooks")
+                or own.get("_backward_hooks") or own.get("_backward_pre_hooks")):
+            return True
+    return False
 
 
 class GroupNormAct(GroupNorm):
@@ -1659,11 +1676,11 @@ class GroupNormAct(GroupNorm):
         return _activation_name(self.act)
 
     def forward(self, input):
-        act = self.act
-        spec = None if _hooked(act, self.drop) or type(self.drop) is not nn.Identity \
+        act, drop = self._modules["act"], self._modules["drop"]
+        spec = None if type(drop) is not nn.Identity or _hooked(act, drop) \
             else _activation_spec(act)
         if spec is None:  # drop runs between, or an activation the kernels lack
-            return act(self.drop(super().forward(input)))
+            return act(drop(super().forward(input)))
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
                           activation=spec, process_group=self.process_group)
 
