@@ -3765,7 +3765,8 @@ def test_compile_pass_fuses_the_activation_after_group_norm_without_gradients():
     assert gn._rewrite_group_norms(gm.graph, devices=("cpu",)) == 1
     assert gn._fuse_epilogues(gm.graph) == 1
     (fused,) = _fused_calls(gm)
-    assert fused.args[5:] == (None, None, None, [gn._ACTIVATION_CODES["silu"]], 0.01)
+    # (and the convolution's bias as its add: see the test below)
+    assert fused.args[5:10] == (None, None, None, [gn._ACTIVATION_CODES["silu"]], 0.01)
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert F.silu not in targets and gn._OPS.forward.default not in targets
     gm.graph.lint()
@@ -3897,6 +3898,57 @@ def test_compile_pass_fuses_scale_shift_and_residual(operators_on_the_cpu, case)
     add = call.args[10] if len(call.args) > 10 else None
     assert tuple(a is not None for a in (*call.args[5:8], add)) == operands
     assert call.args[8] == codes
+
+
+class _ConvNormBlock(nn.Module):
+    """A convolution, then GroupNorm and SiLU: the VAE's ResNet block
+    (conv1, norm2); with the time embedding added between, the UNet's."""
+
+    def __init__(self, bias=True, temb=False, shortcut=False):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1, bias=bias)
+        self.norm = nn.GroupNorm(2, 8)
+        self.temb, self.shortcut = temb, shortcut
+
+    def forward(self, x, emb):
+        h = self.conv(x)
+        total = h + emb[:, :, None, None] if self.temb else h
+        y = F.silu(self.norm(total))
+        return y + h if self.shortcut else y
+
+
+@pytest.mark.parametrize("case", ["bias", "bias and time embedding", "no bias",
+                                  "convolution used twice"])
+def test_compile_pass_folds_a_convolutions_bias_into_the_add(operators_on_the_cpu, case):
+    # Inductor adds a CUDA convolution's bias by a pass of its own before an
+    # operator: the pass gives the convolution no bias and the fused call an
+    # (N, C, 1, 1) add that holds it (plus the time embedding's)
+    block = _ConvNormBlock(bias=case != "no bias", temb="time" in case,
+                           shortcut=case == "convolution used twice")
+    x, emb = torch.randn(2, 4, 6, 5), torch.randn(2, 8)
+    with torch.no_grad():
+        gm = _dynamo_graph(block, x, emb)
+    gn._rewrite_group_norms(gm.graph, devices=("cpu",))
+    assert gn._fuse_epilogues(gm.graph) == 1
+    gm.graph.lint()
+    (conv,) = [n for n in gm.graph.nodes if n.target is torch.conv2d]
+    (call,) = _fused_calls(gm)
+    folded = case in ("bias", "bias and time embedding")
+    assert (conv.args[2] is None) == (case != "convolution used twice")
+    assert (len(call.args) > 10 and call.args[10] is not None) == (folded or "time" in case)
+    # the compiled block, CPU kernels registered for the operators, equals the eager one
+    assert len(compiled_with_the_pass(block, (x, emb))) == 1
+
+
+def test_compile_pass_leaves_a_convolutions_bias_without_an_epilogue():
+    # a GroupNorm with nothing to fuse keeps the plain kernels: the bias stays
+    block = nn.Sequential(nn.Conv2d(4, 8, 3), nn.GroupNorm(2, 8))
+    with torch.no_grad():
+        gm = _dynamo_graph(block, torch.randn(1, 4, 8, 8))
+    gn._rewrite_group_norms(gm.graph, devices=("cpu",))
+    assert gn._fuse_epilogues(gm.graph) == 0
+    (conv,) = [n for n in gm.graph.nodes if n.target is torch.conv2d]
+    assert conv.args[2] is not None
 
 
 def resnet_tail(t, r):  # timm's Bottleneck: x = bn3(x); x += shortcut; x = act3(x)
