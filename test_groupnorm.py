@@ -4112,6 +4112,32 @@ def test_gpu_compile_fusion_folds_scale_shift_and_residual(dtype):
     assert tools.max_error(out, exact) <= 2 * tools.max_error(eager, exact) + slack
 
 
+@cuda
+@pytest.mark.parametrize("temb", [False, True])
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_gpu_compile_fusion_folds_a_convolutions_bias(temb, layout):
+    # the convolution's bias reaches the fused call as its add (with the
+    # time embedding's): the compiled block is as close to float64 as eager
+    torch.manual_seed(0)
+    block = _ConvNormBlock(temb=temb).cuda().to(torch.bfloat16)
+    x = torch.randn(2, 4, 24, 20, device="cuda", dtype=torch.bfloat16)
+    if layout == "channels_last":
+        block, x = block.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+    emb = torch.randn(2, 8, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        exact = copy.deepcopy(block).double()(x.double(), emb.double())
+        eager = block(x, emb)
+        gn.enable_compile_fusion()
+        try:
+            torch._dynamo.reset()
+            out = torch.compile(block, fullgraph=True)(x, emb)
+        finally:
+            gn.disable_compile_fusion()
+            torch._dynamo.reset()
+    slack = 4 * torch.finfo(torch.bfloat16).eps * exact.abs().max().item()
+    assert tools.max_error(out, exact) <= 2 * tools.max_error(eager, exact) + slack
+
+
 # ---------------------------------------------------------------------------
 # GPU: the fused epilogue
 # ---------------------------------------------------------------------------
