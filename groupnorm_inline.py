@@ -2189,7 +2189,7 @@ def _group_norm_pass_class():
                             (_rewrite_group_norms, _graph_activation, _fuse_epilogues, _operands,
                              _other_operand, _fixed_size, _epilogue_operand, _only_user_with,
                              _scale_step, _add_step, _residual_before_activation,
-                             _prologue_step))
+                             _prologue_step, _conv_bias_step, _fold_conv_bias))
             table = str([(f.__name__, entry) for f, entry in _GRAPH_ACTIVATIONS.items()])
             key = code + table.encode() + _NAMESPACE.encode() + __version__.encode()
             return hashlib.sha256(key).hexdigest()
