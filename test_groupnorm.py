@@ -4279,6 +4279,28 @@ def test_gpu_add_prologue_equals_the_add_first(case):
 
 
 @cuda
+@pytest.mark.parametrize("shape,groups,layout,kernel,team", [
+    ((2, 64, 24, 20), 8, "channels_last", "stream", 0),
+    ((300, 32, 4, 6), 8, "channels_last", "stream", 0),
+    ((1, 8, 200, 200), 1, "contiguous", "contiguous", 1),  # a CTA keeps part of the group
+    ((2, 16, 300, 300), 2, "channels_last", "channels_last", 1)])
+def test_gpu_add_of_odd_address_and_many_samples(shape, groups, layout, kernel, team):
+    # the separate add (add_per_channel_kernel) reads vectors of add where x
+    # is channels-last: an add 2 bytes off narrows them; a batch larger than
+    # the CTAs it wants gives each sample one CTA
+    x = make_input(shape, torch.float16, layout, "cuda", shift=2.0)
+    flat = torch.randn(1 + shape[0] * shape[1], device="cuda").half()
+    add = flat[1:].view(shape[:2])
+    assert add.data_ptr() % 4 != 0
+    w, b = affine(shape[1], torch.float16, "cuda", "both")
+    force = {"team": team} if team else {}
+    ours = gn.groupnorm_cuda(x, w, b, groups, kernel=kernel, add=add, activation="silu", **force)
+    first = gn.groupnorm_cuda(x + add[:, :, None, None], w, b, groups, kernel=kernel,
+                              activation="silu", **force)
+    assert torch.equal(ours, first), (shape, tools.max_error(ours, first))
+
+
+@cuda
 def test_gpu_epilogue_residual_of_other_strides_and_alignment():
     w, b = affine(32, torch.float16, "cuda", "both")
     for layout, other in (("contiguous", "channels_last"), ("channels_last", "contiguous")):

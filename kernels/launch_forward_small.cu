@@ -1,5 +1,8 @@
 // Launchers of the small-problem forward kernels: the reference kernel (the
-// oracle) and the registers kernel.
+// oracle) and the registers kernel; and the separate pre-norm add.
+#include <algorithm>
+
+#include "add_per_channel.cuh"
 #include "forward_reference.cuh"
 #include "forward_registers.cuh"
 #include "launch.cuh"
@@ -53,7 +56,29 @@ void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardAr
   });
 }
 
+// p.addr holds add's address too (channels-last reads its vectors); the
+// caller keeps a sample's vectors under 2^31.
+template <typename scalar_t, bool kFused>
+void launch_add_per_channel(const Problem& p, const void* x, const void* add, void* s,
+                            cudaStream_t stream) {
+  with_vec<scalar_t, 16>(widest_vector(p, {p.channels_last ? p.C : p.HxW}), [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    const int64_t vectors = p.C * p.HxW / V;
+    // about eight CTAs an SM over all samples, at least one a sample
+    const int64_t wanted = (int64_t(p.dev->sms) * 8 + p.N - 1) / p.N;
+    const int blocks = int(std::max<int64_t>(
+        1, std::min<int64_t>((vectors + kAddThreads - 1) / kAddThreads, wanted)));
+    const int64_t per_index = p.channels_last ? p.C / V : p.HxW / V;
+    launch_kernel(&add_per_channel_kernel<scalar_t, V>, {p.N * blocks, kAddThreads}, stream,
+                  static_cast<const scalar_t*>(x), static_cast<const scalar_t*>(add),
+                  static_cast<scalar_t*>(s), uint32_t(vectors), FastDivider(uint32_t(per_index)),
+                  uint32_t(p.C / V), p.C, blocks, p.channels_last);
+  });
+}
+
 #define GROUPNORM_INSTANTIATE_SMALL(T, F)                                                   \
+  template void launch_add_per_channel<T, F>(const Problem&, const void*, const void*, void*, \
+                                             cudaStream_t);                                 \
   template const void* registers_kernel<T, F>(int, int);                                    \
   template void launch_reference<T, F>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
                                        cudaStream_t);                                       \

@@ -91,6 +91,12 @@ const void* stream_channels_last_kernel(int vec);
 template <typename scalar_t>
 const void* backward_stream_kernel(bool channels_last, int vec);
 
+// s = x + add, add [N, C] (one value per sample and channel), in x's layout:
+// the separate add of plans that cannot form s in their kernel.
+template <typename scalar_t, bool kFused>
+void launch_add_per_channel(const Problem& p, const void* x, const void* add, void* s,
+                            cudaStream_t stream);
+
 template <typename scalar_t, bool kFused>
 void launch_reference(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream);

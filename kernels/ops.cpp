@@ -219,6 +219,26 @@ const void* data_or_null(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->data_ptr() : nullptr;
 }
 
+// s = x + add (add [N, C]) in x's layout, for the plans that cannot form s
+// in their kernel: add_per_channel_kernel, or ATen's broadcast add (element
+// by element) where a sample holds 2^31 elements or more.
+at::Tensor pre_norm_sum(const Checked& c, const at::Tensor& add) {
+  Problem p = c.problem;
+  if (p.C * p.HxW >= (int64_t(1) << 31)) {
+    std::vector<int64_t> per_channel{p.N, p.C};
+    per_channel.resize(size_t(c.x.dim()), 1);
+    return at::add(c.x, add.view(per_channel));
+  }
+  if (p.channels_last) p.addr |= reinterpret_cast<uintptr_t>(add.data_ptr());  // read as vectors
+  at::Tensor s = at::empty_like(c.x);
+  with_kernel_types(p, [&](auto tag, auto fused) {
+    using scalar_t = typename decltype(tag)::type;
+    launch_add_per_channel<scalar_t, decltype(fused)::value>(
+        p, c.x.data_ptr(), add.data_ptr(), s.data_ptr(), current_stream(c.x));
+  });
+  return s;
+}
+
 }  // namespace
 }  // namespace groupnorm
 
@@ -285,11 +305,9 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
     // their whole slice on chip (where it turns the kept x into s once); the
     // channels-last stream and team plans that keep less get s by a
     // separate add (a pass more), before anything of this call is allocated.
-    std::vector<int64_t> per_channel{c.problem.N, x.size(1)};
-    per_channel.resize(size_t(x.dim()), 1);
-    return forward_fused(at::add(c.x, epilogue.add.view(per_channel)), weight, bias, groups, eps,
-                         kernel, team, lag, scale, shift, residual, activations, slope,
-                         c10::nullopt, residual_first);
+    return forward_fused(pre_norm_sum(c, epilogue.add), weight, bias, groups, eps, kernel, team,
+                         lag, scale, shift, residual, activations, slope, c10::nullopt,
+                         residual_first);
   }
   if (epilogue.args.residual_first &&
       (plan.kernel == ForwardKernel::Stream || plan.kernel == ForwardKernel::StreamChannelsLast)) {
