@@ -2009,11 +2009,11 @@ _CONVOLUTIONS = (torch.conv1d, torch.conv2d, torch.conv3d)  # F.conv2d is torch.
 
 
 def _conv_bias_step(x, value):
-    """(the convolution, its bias) when x, what the GroupNorm call's add is
-    added to, is the output of a convolution with a bias of its dtype, used
-    by nothing else. Inductor adds a CUDA convolution's bias by a pointwise
-    pass after it, which its own GroupNorm kernel absorbs and our operator
-    cannot: the call's add takes it instead."""
+    """(the convolution, its bias) when the GroupNorm call's input x is the
+    output of a convolution with a bias of its dtype, used by nothing else.
+    Inductor adds a CUDA convolution's bias by a pointwise pass after it,
+    which its own GroupNorm kernel absorbs and our operator cannot: the
+    fused call's (N, C) add takes it instead."""
     if (not isinstance(x, torch.fx.Node) or x.op != "call_function"
             or x.target not in _CONVOLUTIONS or len(x.users) != 1):
         return None
@@ -2027,24 +2027,29 @@ def _conv_bias_step(x, value):
 
 
 def _fold_conv_bias(graph, conv, bias, add, value):
-    """The convolution without its bias, and the call's (N, C, 1, ...) add
-    plus that bias: nodes before the fused call."""
+    """The convolution without its bias, and the (N, C, 1, ...) add that
+    holds it (plus the add the call had): nodes before the fused call."""
     import operator
 
     per_channel = graph.call_method("view", (bias, 1, -1, *(1,) * (value.dim() - 2)))
+    if add is None:
+        samples = graph.call_method("size", (conv, 0))
+        add = graph.call_method("expand", (per_channel, samples, *(-1,) * (value.dim() - 1)))
+    else:
+        add = graph.call_function(operator.add, (add, per_channel))
     if len(conv.args) > 2:
         conv.args = (*conv.args[:2], None, *conv.args[3:])
     else:
         conv.kwargs = {**conv.kwargs, "bias": None}
-    return graph.call_function(operator.add, (add, per_channel))
+    return add
 
 
 def _fuse_epilogues(graph):
     """In a pre-grad FX graph, folds what follows each <ns>::forward call
     into one <ns>::forward_fused call, and the add that makes its input:
     `x + add` before it, the add one value per (sample, channel) and the
-    sum used by nothing else (the kernels' prologue), with the bias of a
-    convolution whose output only that sum reads (_conv_bias_step); then,
+    sum used by nothing else (the kernels' prologue), and the bias of a
+    convolution whose output only this call reads (_conv_bias_step); then,
     in the epilogue's order, each step the previous value's only user and
     each optional: `* (1 + scale)` and `+ shift` with (N, C, 1, ...) tensors (diffusers' scale-shift ResNet
     blocks, AdaGroupNorm), up to _MAX_ACTIVATIONS activations (one
@@ -2100,9 +2105,7 @@ def _fuse_epilogues(graph):
         if not steps and prologue is None:
             continue
         x, add = (node.args[0], None) if prologue is None else prologue[1:]
-        # only into an add the call has: alone, plans that add first would
-        # take ATen's broadcast add, slower than Inductor's (DESIGN)
-        conv_bias = _conv_bias_step(x, value) if add is not None else None
+        conv_bias = _conv_bias_step(x, value)
         codes = [_ACTIVATION_CODES[name] for name in chain]
         with graph.inserting_before(last):  # after every operand of the steps
             if conv_bias is not None:
