@@ -56,7 +56,7 @@ void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardAr
   });
 }
 
-// p.addr holds add's address too (channels-last reads its vectors); the
+// Channels-last reads add as vectors: p.addr holds its address too. The
 // caller keeps a sample's vectors under 2^31.
 template <typename scalar_t, bool kFused>
 void launch_add_per_channel(const Problem& p, const void* x, const void* add, void* s,
