@@ -2051,8 +2051,8 @@ def _fuse_epilogues(graph):
     sum used by nothing else (the kernels' prologue), and the bias of a
     convolution whose output only this call reads (_conv_bias_step); then,
     in the epilogue's order, each step the previous value's only user and
-    each optional: `* (1 + scale)` and `+ shift` with (N, C, 1, ...) tensors (diffusers' scale-shift ResNet
-    blocks, AdaGroupNorm), up to _MAX_ACTIVATIONS activations (one
+    each optional: `* (1 + scale)` and `+ shift` with (N, C, 1, ...)
+    tensors (diffusers' scale-shift ResNet blocks, AdaGroupNorm), up to _MAX_ACTIVATIONS activations (one
     leaky_relu slope a chain), `+ residual` of the output's shape, after
     the activations or right before them (ResNet blocks). One pass
     over the tensor instead of one more per step. Only where no gradient

@@ -4122,7 +4122,8 @@ def test_gpu_compile_fusion_folds_a_convolutions_bias(temb, layout):
     block = _ConvNormBlock(temb=temb).cuda().to(torch.bfloat16)
     x = torch.randn(2, 4, 24, 20, device="cuda", dtype=torch.bfloat16)
     if layout == "channels_last":
-        block, x = block.to(memory_format=torch.channels_last), x.to(memory_format=torch.channels_last)
+        block = block.to(memory_format=torch.channels_last)
+        x = x.to(memory_format=torch.channels_last)
     emb = torch.randn(2, 8, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         exact = copy.deepcopy(block).double()(x.double(), emb.double())
