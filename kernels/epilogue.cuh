@@ -310,9 +310,9 @@ __device__ __forceinline__ void with_store(const Epilogue<scalar_t, kFused>& ep,
 
 // Writes y[at, at + V) from the affine values v: the activation chain, the
 // residual at the same offset (before the chain with residual_first), then
-// the rounding to scalar_t. K: what with_store found (Any where nothing
-// asked). kCalls: whether a chain other than SiLU or ReLU
-// alone may come, through the call; a kernel built without it is never
+// the rounding to scalar_t. K: what with_store found (Any in the kernels
+// that do not ask). kCalls: whether a chain other than SiLU or ReLU alone
+// may come, through the call; a kernel built without it is never
 // planned for one (EpilogueArgs::inline_chain). kResidualFirst: whether a
 // residual before the chain may come; the stream kernels, at their register
 // bound, are built without it and never launched with one (forward_fused
