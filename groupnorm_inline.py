@@ -2052,10 +2052,11 @@ def _fuse_epilogues(graph):
     convolution whose output only this call reads (_conv_bias_step); then,
     in the epilogue's order, each step the previous value's only user and
     each optional: `* (1 + scale)` and `+ shift` with (N, C, 1, ...)
-    tensors (diffusers' scale-shift ResNet blocks, AdaGroupNorm), up to _MAX_ACTIVATIONS activations (one
-    leaky_relu slope a chain), `+ residual` of the output's shape, after
-    the activations or right before them (ResNet blocks). One pass
-    over the tensor instead of one more per step. Only where no gradient
+    tensors (diffusers' scale-shift ResNet blocks, AdaGroupNorm), up to
+    _MAX_ACTIVATIONS activations (one leaky_relu slope a chain),
+    `+ residual` of the output's shape, after the activations or right
+    before them (ResNet blocks). One pass over the tensor instead of one
+    more per step. Only where no gradient
     flows (inference, torch.no_grad()): in training the fused backward
     recomputes what it did not save, and its cost against the unfused
     sequence is not measured yet. Returns how many calls it fused."""

@@ -289,9 +289,7 @@ __device__ __forceinline__ void add_residual(acc_t<scalar_t> (&v)[V], const scal
 enum class Store { Bare, SiLU, ReLU, Any };
 
 template <Store K>
-struct StoreAs {
-  static constexpr Store kind = K;
-};
+using StoreAs = std::integral_constant<Store, K>;
 
 // body(StoreAs<K>{}) with the store that ep asks for; plain kernels: Bare.
 template <typename scalar_t, bool kFused, typename Body>

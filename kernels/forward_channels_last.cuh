@@ -198,8 +198,8 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
           A out[V];
 #pragma unroll
           for (int e = 0; e < V; ++e) out[e] = affine_value(v.val[e], mu[e], f[e]);
-          store_output<scalar_t, V, kFused, true, true, decltype(as)::kind>(y, y_at + r * ldc, out,
-                                                                            ep);
+          store_output<scalar_t, V, kFused, true, true, decltype(as)::value>(y, y_at + r * ldc,
+                                                                             out, ep);
         };
         load_each<kRowUnroll, scalar_t, V>(nkept + row_lane, rows, rows_per_step, ldc,
                                            normalise_at, xs);

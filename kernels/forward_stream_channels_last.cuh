@@ -277,7 +277,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
               const VecT in = as_vec<VecT>(v[u]);
 #pragma unroll
               for (int e = 0; e < V; ++e) out[e] = affine_value(in.val[e], mu, f[e]);
-              store_output<scalar_t, V, kFused, true, false, decltype(as)::kind>(
+              store_output<scalar_t, V, kFused, true, false, decltype(as)::value>(
                   y, y_at + int64_t(r) * C, out, ep);
             }
           }
