@@ -803,6 +803,9 @@ def test_kernel_coverage_lists_every_kernel_the_library_defines():
     assert declared and families == {f"groupnorm::{name}" for name in declared}
     assert kernel_key("void groupnorm::groupnorm_stream_kernel<c10::Half, 4, true, false>"
                       "(c10::Half const*, float*)") == "groupnorm::groupnorm_stream_kernel<c10::Half,4,true,false>"
+    assert kernel_key("void groupnorm::groupnorm_stream_kernel<float, 4, true, true, "
+                      "(groupnorm::Store)1>(float const*)") == \
+        "groupnorm::groupnorm_stream_kernel<float,4,true,true,(groupnorm::Store)1>"
     assert kernel_key("void at::native::vectorized_elementwise_kernel<4>(int)") is None
 
 
@@ -2396,7 +2399,7 @@ def kept_fraction(plan):
 # The fields of plan() for each forward kernel, in order: the common ones,
 # the kernel's own config, and the reason last (describe() in
 # kernels/plan_forward.cpp).
-FORWARD_PLAN_COMMON = ["kernel", "layout", "vec", "units", "grid", "threads", "smem"]
+FORWARD_PLAN_COMMON = ["kernel", "layout", "vec", "units", "grid", "threads", "smem", "store"]
 FORWARD_PLAN_OWN = {
     "reference": [],
     "registers": ["items", "ranks"],
@@ -2420,7 +2423,7 @@ FORWARD_PLAN_CASES = [  # (shape, groups, dtype, layout, kernel): one per kernel
 def check_plan_values(plan):
     """Every field of a plan dict of the type its name promises."""
     for name, value in plan.items():
-        if name in ("kernel", "layout", "merge", "reason"):
+        if name in ("kernel", "layout", "merge", "store", "reason"):
             assert isinstance(value, str) and value, (name, plan)
         elif name == "warp_rows":
             assert isinstance(value, bool), (name, plan)
@@ -2443,6 +2446,7 @@ def test_gpu_plan_dicts_have_the_documented_fields():
         assert plan["vec"] >= 1 and plan["units"] >= 1 and plan["grid"] >= 1 and plan["threads"] >= 1, plan
         if plan["kernel"] == "stream":
             assert plan["merge"] in ("each", "once"), plan
+        assert plan["store"] == "none", plan  # a plain call's kernel stores bare
         if plan["kernel"] in ("contiguous", "channels_last"):
             assert 1 <= plan["team"] and plan["kept"] <= plan["slice"] and plan["blocks"] >= 1, plan
     # the backward: passes and stream, either layout
@@ -2678,7 +2682,8 @@ def test_gpu_fused_plan_takes_registers_kernel_for_small_groups():
     with pytest.raises(ValueError, match="takes no activation but SiLU or ReLU alone"):
         gn.plan(deep, 32, kernel="registers", activation="gelu")
     many = torch.empty(512, 1280, 8, 8, device="cuda", dtype=torch.bfloat16)  # 16384 units
-    assert gn.plan(many, 32, activation="silu") == gn.plan(many, 32)
+    fused, plain = gn.plan(many, 32, activation="silu"), gn.plan(many, 32)
+    assert fused.pop("store") == "silu" and plain.pop("store") == "none" and fused == plain
     # 5120 vectors a group (SD UNet): on contiguous input the fused call's
     # clusters, of as many CTAs (at most 3, of at most 3072 vectors each) as
     # the SMs hold for every unit at once, or the team kernel where 2 do not
@@ -4059,7 +4064,8 @@ def test_gpu_compile_fusion_runs_our_kernels_for_torchs_group_norm(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_compile_fusion_fuses_the_activation_in_inference(dtype):
     # under torch.no_grad the SiLU after torch's GroupNorm runs inside our
-    # kernel: every groupnorm kernel launched is a fused instantiation
+    # kernel: every groupnorm kernel launched is a fused instantiation, its
+    # SiLU copy (the last template argument, Store::SiLU)
     from torch.profiler import ProfilerActivity, profile
     model, x = conv_norm_silu(dtype)
     with torch.no_grad():
@@ -4077,7 +4083,7 @@ def test_gpu_compile_fusion_fuses_the_activation_in_inference(dtype):
             gn.disable_compile_fusion()
             torch._dynamo.reset()
     kernels = [e.name for e in prof.events() if "groupnorm" in e.name]
-    assert kernels and all(k.split("(")[0].endswith("true>") for k in kernels), kernels
+    assert kernels and all(", true, (groupnorm::Store)1>" in k for k in kernels), kernels
     slack = 4 * torch.finfo(dtype).eps * exact.abs().max().item()
     assert tools.max_error(out, exact) <= 2 * tools.max_error(eager, exact) + slack
 
@@ -4249,7 +4255,9 @@ def test_gpu_epilogue_forced_paths(case):
                               force.get("lag", 0), epilogue.scale, epilogue.shift,
                               epilogue.residual, epilogue.codes(), epilogue.slope())
     forcing = dict(kernel=kernel, team=force.get("team", 0), lag=force.get("lag", 0))
-    if gn.plan(x, groups, **forcing) == gn.plan(x, groups, activation=args["activation"], **forcing):
+    plans = [{k: v for k, v in gn.plan(x, groups, activation=a, **forcing).items() if k != "store"}
+             for a in (None, args["activation"])]  # the store's copy aside
+    if plans[0] == plans[1]:
         assert torch.equal(plain[1], fused[1]) and torch.equal(plain[2], fused[2])
     else:
         tight = dict(rtol=1e-12, atol=0) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-6)
@@ -4610,13 +4618,77 @@ def test_gpu_epilogue_takes_the_cuda_path_and_module_and_autocast(monkeypatch):
 
 BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 
+# The fused kernels' copies per store kind (kernels/launch.cuh, with_store):
+# no activation, SiLU alone and ReLU alone, each without a residual, at the
+# vector width the kernel's planner prefers (8 bytes for the channels-last
+# team kernel, 16 for the others; kernels/kernel_shapes.h). Each row reaches
+# that width for bfloat16, float16 and float32 with the plan fields it lists
+# (both merges of the stream kernels, both items of the registers kernel),
+# so that every copy is launched.
+STORE_COPY_ROWS = [  # (shape, groups, layout, kernel, lag or team, plan fields)
+    ((8, 1024, 26, 40), 64, "contiguous", "stream", 10**9, dict(merge="once")),
+    ((2, 16, 48, 56), 2, "contiguous", "stream", 1, dict(merge="each")),
+    ((2, 248, 40, 40), 31, "channels_last", "stream", 0, dict(merge="once")),
+    ((2, 32, 40, 40), 4, "channels_last", "stream", 0, dict(merge="each")),
+    ((2, 32, 16, 16), 8, "contiguous", "contiguous", 0, dict()),
+    ((2, 64, 12, 12), 8, "channels_last", "channels_last", 0, dict()),
+    ((8, 1280, 8, 8), 32, "contiguous", "registers", 0, dict(items=4, ranks=1)),
+    ((2, 16, 64, 64), 2, "contiguous", "registers", 0, dict(items=16, ranks=1)),
+]
+STORE_KINDS = [("none", dict(scale=True, shift=True)), ("silu", dict(activation="silu")),
+               ("relu", dict(scale=True, activation="relu"))]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", (BF16, F16, F32), ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("row", STORE_COPY_ROWS, ids=lambda r: f"{shape_id(r[:2])}-{r[2]}-{r[3]}")
+def test_gpu_store_copies_equal_the_any_copy(row, dtype):
+    # each copy against float64, and bitwise against the same kernel's Any
+    # copy, which a zero residual takes: a copy leaves out the tests of the
+    # options it cannot meet, none of the arithmetic
+    shape, groups, layout, kernel, n, fields = row
+    x, _, force = forced_input((shape, groups, dtype, layout, kernel, n))
+    w, b = affine(shape[1], dtype, "cuda", "both")
+    zero = torch.zeros_like(x)
+    wide = 8 if kernel == "channels_last" else 16
+    for store, options in STORE_KINDS:
+        plan = gn.plan(x, groups, kernel=kernel, fused=True, activation=options.get("activation"),
+                       **force)
+        assert plan["store"] == store and plan["vec"] * x.element_size() == wide, plan
+        assert plan_has(plan, fields), (fields, plan)
+        args = epilogue_tensors(x, options)
+        if store == "silu":  # ResnetBlock2D's norm2: the (N, C) add before the norm
+            args["add"] = torch.randn(shape[:2], device="cuda").to(dtype)
+        check_epilogue(x, groups, w, b, args, kernel=kernel, **force)
+        copy = gn.groupnorm_cuda(x, w, b, groups, kernel=kernel, **args, **force)
+        any_copy = gn.groupnorm_cuda(x, w, b, groups, kernel=kernel, **args, residual=zero,
+                                     **force)
+        assert torch.equal(copy, any_copy), (store, tools.max_error(copy, any_copy))
+
+
+@cuda
+def test_gpu_store_copies_only_at_the_preferred_width_and_not_for_double():
+    # a width the kernel has no copies for, and double, take the Any copy
+    for shape, groups, dtype, layout, kernel in [
+            ((2, 16, 30, 45), 2, F16, "contiguous", "stream"),  # 4-byte vectors
+            ((2, 16, 48, 56), 2, F64, "contiguous", "stream"),
+            ((2, 2680, 5, 3), 67, BF16, "channels_last", "channels_last")]:  # 16-byte vectors
+        x = make_input(shape, dtype, layout, "cuda")
+        plan = gn.plan(x, groups, kernel=kernel, activation="silu")
+        assert plan["store"] == "any", plan
+        w, b = affine(shape[1], dtype, "cuda", "both")
+        check_epilogue(x, groups, w, b, dict(activation="silu"), kernel=kernel)
+
+
 # Each row launches, for each of its dtypes T, the kernel instantiations its
 # comment names, which the rest of the GPU tests never reach (what
 # tools/kernel_coverage.py reports). Template arguments: stream kernels
-# <T, V, kEachMerges, kFused>, team kernels <T, V, kFused>, the reference
-# kernel <T, kFused>, the registers kernel <T, V, items a thread, kFused>, the
-# backward's <T, V>; * is both values: a forward row runs plain and with every
-# epilogue option at once (in the registers kernel, SiLU for the chain). V is the widest
+# <T, V, kEachMerges, kFused, store>, team kernels <T, V, kFused, store>, the
+# reference kernel <T, kFused>, the registers kernel <T, V, items a thread,
+# kFused, store>, the backward's <T, V>; * is both values: a forward row runs
+# plain (store Bare) and with every epilogue option at once (store Any; in the
+# registers kernel, SiLU for the chain; STORE_COPY_ROWS launch the other
+# stores' copies). V is the widest
 # vector of at most 16 bytes that divides HxW (contiguous), C / G (the
 # channels-last stream kernels) or C (the channels-last passes and team
 # kernel, whose vectors are 8 bytes unless a row of them would need more than

@@ -71,7 +71,7 @@ def main(argv=None):
                     times.setdefault(key, []).append(time_ms(fn))
         ms = {k: statistics.median(v) for k, v in times.items()}
         plan = gn.plan(inputs[0], groups, activation="silu")
-        fields = ("kernel", "vec", "team", "threads", "grid")
+        fields = ("kernel", "vec", "team", "threads", "grid", "store")
         rows.append({"shape": list(shape), "dtype": dtype_name, "layout": layout, "ms": ms,
                      "plan": {k: plan.get(k) for k in fields}})
         ratios = " ".join(f"{k} {v / ms['plain']:.3f}" for k, v in ms.items() if k != "plain")

@@ -1,7 +1,7 @@
 // The activations the forward epilogue applies (epilogue.cuh), shared by the
-// host, which checks the codes Python passes, and the kernels. A code is the
-// enumerator's value; groupnorm_inline.py's _ACTIVATION_CODES lists the same
-// names in the same order.
+// host, which checks the codes Python passes and picks the store kind, and
+// the kernels. A code is the enumerator's value; groupnorm_inline.py's
+// _ACTIVATION_CODES lists the same names in the same order.
 #pragma once
 
 #include <cstdint>
@@ -21,5 +21,11 @@ enum class Activation : uint8_t {
 };
 constexpr int kActivationCodes = 9;
 constexpr int kMaxActivations = 4;  // the longest chain
+
+// What a fused forward kernel's store applies to each vector, fixed when it
+// is compiled: nothing, SiLU alone or ReLU alone (no residual), the common
+// calls, which then test nothing per vector (DESIGN.md); or Any option,
+// each tested per vector. A plain kernel's is Bare.
+enum class Store : uint8_t { Bare, SiLU, ReLU, Any };
 
 }  // namespace groupnorm

@@ -15,8 +15,9 @@
 //    so they cost nothing per element.
 //  - the activation chain runs on the accumulation-type value before the
 //    cast: SiLU or ReLU alone inline, other chains in a called function
-//    (activate); the channels-last kernels test which once a sweep
-//    (with_store), the others once a stored vector.
+//    (activate). A fused kernel has a copy per store kind (Store): those
+//    of the common calls, nothing or SiLU or ReLU alone and no residual,
+//    test nothing per stored vector; Any tests every option.
 //  - the residual is read at the element offset y is written at (same
 //    layout), in the store's vector width, and added last (or before the
 //    activations).
@@ -279,53 +280,31 @@ __device__ __forceinline__ void add_residual(acc_t<scalar_t> (&v)[V], const scal
   for (int e = 0; e < V; ++e) v[e] += static_cast<acc_t<scalar_t>>(r.val[e]);
 }
 
-// What store_output applies to each vector of a sweep. The channels-last
-// kernels ask once a sweep (with_store) and run a copy of their store loop
-// per answer: the common calls (nothing, or SiLU or ReLU alone, without a
-// residual) then test nothing per vector, which made their fused forms much
-// cheaper (DESIGN.md). Any tests every option per vector, as the other
-// kernels do for every call: copies of their loops were no faster there (the
-// contiguous stream kernel's slower) and lengthened the build.
-enum class Store { Bare, SiLU, ReLU, Any };
-
+// The store kind K of a kernel (activation.h) as a type: the launchers
+// pick a kernel's copy with it.
 template <Store K>
 using StoreAs = std::integral_constant<Store, K>;
 
-// body(StoreAs<K>{}) with the store that ep asks for; plain kernels: Bare.
-template <typename scalar_t, bool kFused, typename Body>
-__device__ __forceinline__ void with_store(const Epilogue<scalar_t, kFused>& ep, Body&& body) {
-  if constexpr (kFused) {
-    if (ep.residual == nullptr && ep.activations == 0) return body(StoreAs<Store::Bare>{});
-    if (ep.residual == nullptr && ep.activations == 1) {
-      if (ep.chain == uint32_t(Activation::SiLU)) return body(StoreAs<Store::SiLU>{});
-      if (ep.chain == uint32_t(Activation::ReLU)) return body(StoreAs<Store::ReLU>{});
-    }
-    body(StoreAs<Store::Any>{});
-  } else {
-    body(StoreAs<Store::Bare>{});
-  }
-}
-
 // Writes y[at, at + V) from the affine values v: the activation chain, the
 // residual at the same offset (before the chain with residual_first), then
-// the rounding to scalar_t. K: what with_store found (Any in the kernels
-// that do not ask). kCalls: whether a chain other than SiLU or ReLU alone
-// may come, through the call; a kernel built without it is never
-// planned for one (EpilogueArgs::inline_chain). kResidualFirst: whether a
+// the rounding to scalar_t. kStore: the kernel's store kind (Bare, SiLU and
+// ReLU test nothing per vector, Any every option). kCalls: whether a chain
+// other than SiLU or ReLU alone may come, through the call; a kernel built
+// without it is never planned for one (EpilogueArgs::inline_chain). kResidualFirst: whether a
 // residual before the chain may come; the stream kernels, at their register
 // bound, are built without it and never launched with one (forward_fused
 // splits such a call).
 template <typename scalar_t, int V, bool kFused, bool kCalls = true, bool kResidualFirst = true,
-          Store K = Store::Any>
+          Store kStore = Store::Any>
 __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t at,
                                              acc_t<scalar_t> (&v)[V],
                                              const Epilogue<scalar_t, kFused>& ep) {
   using A = acc_t<scalar_t>;
-  if constexpr (K == Store::SiLU || K == Store::ReLU) {
-    constexpr Activation kA = K == Store::SiLU ? Activation::SiLU : Activation::ReLU;
+  if constexpr (kStore == Store::SiLU || kStore == Store::ReLU) {
+    constexpr Activation kA = kStore == Store::SiLU ? Activation::SiLU : Activation::ReLU;
 #pragma unroll
     for (int e = 0; e < V; ++e) v[e] = activation(kA, v[e], A(0));
-  } else if constexpr (kFused && K == Store::Any) {
+  } else if constexpr (kFused && kStore == Store::Any) {
     const bool first = kResidualFirst && ep.residual_first;
     if (first) add_residual<scalar_t, V>(v, ep.residual + at);
     // SiLU (diffusion models) and ReLU (timm, MONAI) alone inline; other
@@ -358,7 +337,7 @@ __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t a
 
 // A vector of one channel (the contiguous layout) normalised, then the
 // epilogue, stored at y + at.
-template <typename scalar_t, int V, bool kResidualFirst = true, typename A, bool kFused>
+template <typename scalar_t, int V, bool kResidualFirst, Store kStore, typename A, bool kFused>
 __device__ __forceinline__ void normalise_store(scalar_t* __restrict__ y, int64_t at,
                                                 const Vec<scalar_t, V>& v, A mean,
                                                 ChannelAffine<A> f,
@@ -366,7 +345,7 @@ __device__ __forceinline__ void normalise_store(scalar_t* __restrict__ y, int64_
   A out[V];
 #pragma unroll
   for (int e = 0; e < V; ++e) out[e] = affine_value(v.val[e], mean, f);
-  store_output<scalar_t, V, kFused, true, kResidualFirst>(y, at, out, ep);
+  store_output<scalar_t, V, kFused, true, kResidualFirst, kStore>(y, at, out, ep);
 }
 
 // Per (sample, channel): dx = alpha * dy - k1 - (x - mu) * k2, with

@@ -31,7 +31,7 @@ constexpr int kRowUnroll = 4;  // independent row loads in flight per thread
 __device__ __forceinline__ float reciprocal(float n) { return __frcp_rn(n); }
 __device__ __forceinline__ double reciprocal(double n) { return __drcp_rn(n); }
 
-template <typename scalar_t, int V, bool kFused>
+template <typename scalar_t, int V, bool kFused, Store kStore>
 __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     groupnorm_forward_channels_last_kernel(
         const scalar_t* __restrict__ x,       // [N, HxW, C]
@@ -193,20 +193,17 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
         mu[e] = sh.mean[group[e]];
         f[e] = channel_affine(n, c_unit + c0 + e, sh.rstd[group[e]], gamma, beta, ep);
       }
-      with_store(ep, [&](auto as) {
-        const auto normalise_at = [&](int64_t r, const VecT& v) {
-          A out[V];
+      const auto normalise_at = [&](int64_t r, const VecT& v) {
+        A out[V];
 #pragma unroll
-          for (int e = 0; e < V; ++e) out[e] = affine_value(v.val[e], mu[e], f[e]);
-          store_output<scalar_t, V, kFused, true, true, decltype(as)::value>(y, y_at + r * ldc,
-                                                                             out, ep);
-        };
-        load_each<kRowUnroll, scalar_t, V>(nkept + row_lane, rows, rows_per_step, ldc,
-                                           normalise_at, xs);
-        for (int r = row_lane; r < nkept; r += rows_per_step) {
-          normalise_at(r, load_vec<scalar_t, V>(ks + r * C));
-        }
-      });
+        for (int e = 0; e < V; ++e) out[e] = affine_value(v.val[e], mu[e], f[e]);
+        store_output<scalar_t, V, kFused, true, true, kStore>(y, y_at + r * ldc, out, ep);
+      };
+      load_each<kRowUnroll, scalar_t, V>(nkept + row_lane, rows, rows_per_step, ldc, normalise_at,
+                                         xs);
+      for (int r = row_lane; r < nkept; r += rows_per_step) {
+        normalise_at(r, load_vec<scalar_t, V>(ks + r * C));
+      }
     }
     __syncthreads();  // the kept rows and shared statistics are reused
   }

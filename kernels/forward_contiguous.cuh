@@ -19,7 +19,7 @@ namespace groupnorm {
 
 constexpr int kUnroll = 4;  // independent 16-byte loads in flight per thread
 
-template <typename scalar_t, int V, bool kFused>
+template <typename scalar_t, int V, bool kFused, Store kStore>
 __global__ void __launch_bounds__(kContiguousThreads, 4)
     groupnorm_forward_contiguous_kernel(const scalar_t* __restrict__ x,       // [N * G, L]
                                         const scalar_t* __restrict__ gamma,   // [C] or nullptr
@@ -126,8 +126,8 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
       const int64_t within = start_offset + i * V;
       const int64_t ch =
           start_channel + (fast_div ? int64_t(hxw_div.div(uint32_t(within))) : within / HxW);
-      normalise_store<scalar_t, V>(y, y_at + i * V, v, mu,
-                                   channel_affine(n, c0 + ch, rs, gamma, beta, ep), ep);
+      normalise_store<scalar_t, V, true, kStore>(
+          y, y_at + i * V, v, mu, channel_affine(n, c0 + ch, rs, gamma, beta, ep), ep);
     };
     for (int i = tid; i < nkept; i += threads) normalise_at(i, on_chip[i]);
     load_each<kUnroll, scalar_t, V>(nkept + tid, nvec, threads, V, normalise_at, xs);

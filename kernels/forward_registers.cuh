@@ -65,7 +65,7 @@ __device__ __forceinline__ void cluster_barrier(int ranks) {
 #endif
 }
 
-template <typename scalar_t, int V, int K, bool kFused>
+template <typename scalar_t, int V, int K, bool kFused, Store kStore>
 __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_registers_kernel(
     const scalar_t* __restrict__ x,      // [N, C, HxW] or [N, HxW, C]
     const scalar_t* __restrict__ gamma,  // [C] or nullptr
@@ -178,7 +178,7 @@ __global__ void __launch_bounds__(kRegistersMaxThreads) groupnorm_forward_regist
           for (int e = 0; e < V; ++e)
             out[e] = affine_value(v.val[e], mu, channel_affine(n, c + e, rs, gamma, beta, ep));
         }
-        store_output<scalar_t, V, kFused, false>(y, base + offset(i), out, ep);
+        store_output<scalar_t, V, kFused, false, true, kStore>(y, base + offset(i), out, ep);
       } else {
         VecT out;
         if (!channels_last) {

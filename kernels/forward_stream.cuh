@@ -44,7 +44,7 @@ __device__ __forceinline__ int64_t channel_at(int64_t within, int64_t c0, int64_
 
 // kEachMerges is a template argument: as a run-time flag, the unused merge
 // costs the other mode registers.
-template <typename scalar_t, int V, bool kEachMerges, bool kFused>
+template <typename scalar_t, int V, bool kEachMerges, bool kFused, Store kStore>
 __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
     groupnorm_stream_kernel(const scalar_t* __restrict__ x,         // [units, L]
                             const scalar_t* __restrict__ gamma,     // [C] or nullptr
@@ -213,8 +213,9 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
         if (i < count) {
           const int64_t within = (begin + i) * V;
           const int64_t c = channel_at(within, c0, HxW, fast_div, hxw_div);
-          normalise_store<scalar_t, V, false>(y, unit * L + within, as_vec<VecT>(v[u]), mu,
-                                              channel_affine(n, c, rs, gamma, beta, ep), ep);
+          normalise_store<scalar_t, V, false, kStore>(y, unit * L + within, as_vec<VecT>(v[u]), mu,
+                                                      channel_affine(n, c, rs, gamma, beta, ep),
+                                                      ep);
         }
       }
     }

@@ -94,7 +94,7 @@ __device__ __forceinline__ void merge_chunk(const A* piece_partial,  // [slots, 
   }
 }
 
-template <typename scalar_t, int V, bool kEachMerges, bool kFused>
+template <typename scalar_t, int V, bool kEachMerges, bool kFused, Store kStore>
 __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
     groupnorm_stream_channels_last_kernel(
         const scalar_t* __restrict__ x,               // [N, HxW, C]
@@ -268,20 +268,18 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
         for (int e = 0; e < V; ++e)
           f[e] = channel_affine(n, block_c0 + c0 + e, rs, gamma, beta, ep);
         const int64_t y_at = (first - x) + c0;  // this thread's column in the piece's first row
-        with_store(ep, [&](auto as) {
 #pragma unroll
-          for (int u = 0; u < kItems; ++u) {
-            const int r = row_lane + u * rows_per_step;
-            if (r < rows) {
-              A out[V];
-              const VecT in = as_vec<VecT>(v[u]);
+        for (int u = 0; u < kItems; ++u) {
+          const int r = row_lane + u * rows_per_step;
+          if (r < rows) {
+            A out[V];
+            const VecT in = as_vec<VecT>(v[u]);
 #pragma unroll
-              for (int e = 0; e < V; ++e) out[e] = affine_value(in.val[e], mu, f[e]);
-              store_output<scalar_t, V, kFused, true, false, decltype(as)::value>(
-                  y, y_at + int64_t(r) * C, out, ep);
-            }
+            for (int e = 0; e < V; ++e) out[e] = affine_value(in.val[e], mu, f[e]);
+            store_output<scalar_t, V, kFused, true, false, kStore>(y, y_at + int64_t(r) * C, out,
+                                                                   ep);
           }
-        });
+        }
       }
     }
     __syncthreads();  // the next ticket is visible; shared values may be reused

@@ -25,6 +25,14 @@ constexpr int kStreamBlocksPerSm = 3;      // register budget of the contiguous 
 constexpr int kStreamRowsBlocksPerSm = 3;  // and of the channels-last one
 constexpr int kChunkPartials = 1024;       // partials one CTA merges in a couple of round trips
 
+// Whether a fused forward kernel has a copy per store kind (activation.h's
+// Store) at vectors of vec_bytes: at the width its planner prefers, 8 bytes
+// for the channels-last team kernel and 16 for the others, not for double
+// (each copy lengthens the build; DESIGN.md). The Any copy serves the rest.
+constexpr bool has_store_copies(bool channels_last_team, int64_t vec_bytes, int64_t elem_bytes) {
+  return elem_bytes < 8 && vec_bytes == (channels_last_team ? 8 : 16);
+}
+
 // Backward.
 constexpr int kBackwardThreads = 256;
 constexpr int kBackwardWarps = kBackwardThreads / kWarp;

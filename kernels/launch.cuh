@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "epilogue.cuh"
+#include "kernel_shapes.h"
 #include "launchers.h"
 #include "vec.cuh"
 
@@ -139,6 +140,31 @@ void with_vec(int v, F&& f) {
       return f(std::integral_constant<int, 1>{});
   }
   TORCH_CHECK(false, "groupnorm: no kernel for vector width " + std::to_string(v));
+}
+
+// Calls f(StoreAs<K>{}) for the kernel copy that serves `store` at vector
+// width V: the kind's own where the kernel has copies at V
+// (has_store_copies), else Any; a plain kernel's, Bare.
+template <typename scalar_t, int V, bool kChannelsLastTeam, bool kFused, typename F>
+decltype(auto) with_store(Store store, F&& f) {
+  if constexpr (!kFused) {
+    return f(StoreAs<Store::Bare>{});
+  } else if constexpr (!has_store_copies(kChannelsLastTeam, V * sizeof(scalar_t),
+                                         sizeof(scalar_t))) {
+    return f(StoreAs<Store::Any>{});
+  } else {
+    switch (store) {
+      case Store::Bare:
+        return f(StoreAs<Store::Bare>{});
+      case Store::SiLU:
+        return f(StoreAs<Store::SiLU>{});
+      case Store::ReLU:
+        return f(StoreAs<Store::ReLU>{});
+      case Store::Any:
+        break;
+    }
+    return f(StoreAs<Store::Any>{});
+  }
 }
 
 }  // namespace groupnorm

@@ -9,20 +9,26 @@
 
 namespace groupnorm {
 
-// The registers kernel holding `items` vectors a thread.
+// The registers kernel holding `items` vectors a thread, of a store kind
+// (its copies: with_store).
 template <typename scalar_t, int V, bool kFused>
-auto registers_kernel_of(int items) {
-  return items == kRegistersFewItems
-             ? &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersFewItems, kFused>
-             : &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersManyItems, kFused>;
+auto registers_kernel_of(int items, Store store) {
+  return with_store<scalar_t, V, false, kFused>(store, [&](auto k) {
+    constexpr Store kStore = decltype(k)::value;
+    return items == kRegistersFewItems
+               ? &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersFewItems, kFused,
+                                                     kStore>
+               : &groupnorm_forward_registers_kernel<scalar_t, V, kRegistersManyItems, kFused,
+                                                     kStore>;
+  });
 }
 
 template <typename scalar_t, bool kFused>
-const void* registers_kernel(int vec, int items) {
+const void* registers_kernel(int vec, int items, Store store) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
     kernel = reinterpret_cast<const void*>(
-        registers_kernel_of<scalar_t, decltype(v)::value, kFused>(items));
+        registers_kernel_of<scalar_t, decltype(v)::value, kFused>(items, store));
   });
   return kernel;
 }
@@ -49,10 +55,10 @@ void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardAr
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
     LaunchShape shape{plan.grid, plan.threads};
     shape.cluster = r.ranks;
-    launch_kernel(registers_kernel_of<scalar_t, decltype(v)::value, kFused>(r.items), shape,
-                  stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
-                  f.template epilogue_for<kFused>(), plan.units, int(p.HxW), p.C, p.G,
-                  int(p.D()), p.channels_last, r.ranks, f.eps);
+    launch_kernel(registers_kernel_of<scalar_t, decltype(v)::value, kFused>(r.items, plan.store),
+                  shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
+                  f.template epilogue_for<kFused>(), plan.units, int(p.HxW), p.C, p.G, int(p.D()),
+                  p.channels_last, r.ranks, f.eps);
   });
 }
 
@@ -76,10 +82,10 @@ void launch_add_per_channel(const Problem& p, const void* x, const void* add, vo
   });
 }
 
-#define GROUPNORM_INSTANTIATE_SMALL(T, F)                                                   \
-  template void launch_add_per_channel<T, F>(const Problem&, const void*, const void*, void*, \
-                                             cudaStream_t);                                 \
-  template const void* registers_kernel<T, F>(int, int);                                    \
+#define GROUPNORM_INSTANTIATE_SMALL(T, F)                                                      \
+  template void launch_add_per_channel<T, F>(const Problem&, const void*, const void*, void*,  \
+                                             cudaStream_t);                                    \
+  template const void* registers_kernel<T, F>(int, int, Store);                                \
   template void launch_reference<T, F>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
                                        cudaStream_t);                                       \
   template void launch_registers<T, F>(const ForwardPlan&, const Problem&, const ForwardArgs&, \

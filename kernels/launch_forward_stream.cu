@@ -6,12 +6,22 @@
 
 namespace groupnorm {
 
+// The kernel of width V, merge mode and store kind (its copies: with_store).
+template <typename scalar_t, int V, bool kFused>
+auto stream_kernel_of(bool each_merges, Store store) {
+  return with_store<scalar_t, V, false, kFused>(store, [&](auto k) {
+    constexpr Store kStore = decltype(k)::value;
+    return each_merges ? &groupnorm_stream_kernel<scalar_t, V, true, kFused, kStore>
+                       : &groupnorm_stream_kernel<scalar_t, V, false, kFused, kStore>;
+  });
+}
+
 template <typename scalar_t, bool kFused>
-const void* stream_kernel(int vec) {
+const void* stream_kernel(int vec, Store store) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
     kernel = reinterpret_cast<const void*>(
-        &groupnorm_stream_kernel<scalar_t, decltype(v)::value, false, kFused>);
+        stream_kernel_of<scalar_t, decltype(v)::value, kFused>(false, store));
   });
   return kernel;
 }
@@ -37,9 +47,7 @@ void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs&
   const bool fast_div = L < (int64_t(1) << 31);
   const FastDivider hxw_div(fast_div ? uint32_t(p.HxW) : 1u);
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
-    constexpr int V = decltype(v)::value;
-    launch_kernel(s.each_merges ? &groupnorm_stream_kernel<scalar_t, V, true, kFused>
-                                : &groupnorm_stream_kernel<scalar_t, V, false, kFused>,
+    launch_kernel(stream_kernel_of<scalar_t, decltype(v)::value, kFused>(s.each_merges, plan.store),
                   shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
                   f.template epilogue_for<kFused>(), reinterpret_cast<A*>(base + partial_at),
                   counters.bind(base), L, p.HxW, p.G, D, s.pieces, s.slots, order, hxw_div,
@@ -48,7 +56,7 @@ void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs&
 }
 
 #define GROUPNORM_INSTANTIATE_STREAM(T, F)                                                  \
-  template const void* stream_kernel<T, F>(int);                                            \
+  template const void* stream_kernel<T, F>(int, Store);                                     \
   template void launch_stream<T, F>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
                                     WorkspaceAllocator&, cudaStream_t);
 #define GROUPNORM_INSTANTIATE_STREAMS(T) GROUPNORM_EPILOGUES(GROUPNORM_INSTANTIATE_STREAM, T)

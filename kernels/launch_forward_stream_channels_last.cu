@@ -6,12 +6,22 @@
 
 namespace groupnorm {
 
+// The kernel of width V, merge mode and store kind (its copies: with_store).
+template <typename scalar_t, int V, bool kFused>
+auto stream_channels_last_kernel_of(bool each_merges, Store store) {
+  return with_store<scalar_t, V, false, kFused>(store, [&](auto k) {
+    constexpr Store kStore = decltype(k)::value;
+    return each_merges ? &groupnorm_stream_channels_last_kernel<scalar_t, V, true, kFused, kStore>
+                       : &groupnorm_stream_channels_last_kernel<scalar_t, V, false, kFused, kStore>;
+  });
+}
+
 template <typename scalar_t, bool kFused>
-const void* stream_channels_last_kernel(int vec) {
+const void* stream_channels_last_kernel(int vec, Store store) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
     kernel = reinterpret_cast<const void*>(
-        &groupnorm_stream_channels_last_kernel<scalar_t, decltype(v)::value, false, kFused>);
+        stream_channels_last_kernel_of<scalar_t, decltype(v)::value, kFused>(false, store));
   });
   return kernel;
 }
@@ -39,19 +49,18 @@ void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, cons
   const auto piece_partial = reinterpret_cast<A*>(base + piece_at);
   const auto chunk_partial = reinterpret_cast<A*>(base + chunk_at);
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
-    constexpr int V = decltype(v)::value;
-    launch_kernel(
-        s.each_merges ? &groupnorm_stream_channels_last_kernel<scalar_t, V, true, kFused>
-                      : &groupnorm_stream_channels_last_kernel<scalar_t, V, false, kFused>,
-        shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd, f.template epilogue_for<kFused>(),
-        piece_partial, chunk_partial, counters.bind(base), p.HxW, int(p.C), s.blocks, unit_groups,
-        D, s.rows_per_step, s.pieces, s.chunk, s.slots, order, f.eps);
+    launch_kernel(stream_channels_last_kernel_of<scalar_t, decltype(v)::value, kFused>(
+                      s.each_merges, plan.store),
+                  shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
+                  f.template epilogue_for<kFused>(), piece_partial, chunk_partial,
+                  counters.bind(base), p.HxW, int(p.C), s.blocks, unit_groups, D, s.rows_per_step,
+                  s.pieces, s.chunk, s.slots, order, f.eps);
   });
 }
 
-#define GROUPNORM_INSTANTIATE_STREAM_ROWS(T, F)                \
-  template const void* stream_channels_last_kernel<T, F>(int); \
-  template void launch_stream_channels_last<T, F>(             \
+#define GROUPNORM_INSTANTIATE_STREAM_ROWS(T, F)                       \
+  template const void* stream_channels_last_kernel<T, F>(int, Store); \
+  template void launch_stream_channels_last<T, F>(                    \
       const ForwardPlan&, const Problem&, const ForwardArgs&, WorkspaceAllocator&, cudaStream_t);
 #define GROUPNORM_INSTANTIATE_STREAMS_ROWS(T) \
   GROUPNORM_EPILOGUES(GROUPNORM_INSTANTIATE_STREAM_ROWS, T)

@@ -8,15 +8,31 @@
 
 namespace groupnorm {
 
+// The kernels of width V and a store kind (their copies: with_store; the
+// channels-last planner prefers 8-byte vectors).
+template <typename scalar_t, int V, bool kFused>
+auto channels_last_kernel_of(Store store) {
+  return with_store<scalar_t, V, true, kFused>(store, [&](auto k) {
+    return &groupnorm_forward_channels_last_kernel<scalar_t, V, kFused, decltype(k)::value>;
+  });
+}
+
+template <typename scalar_t, int V, bool kFused>
+auto contiguous_kernel_of(Store store) {
+  return with_store<scalar_t, V, false, kFused>(store, [&](auto k) {
+    return &groupnorm_forward_contiguous_kernel<scalar_t, V, kFused, decltype(k)::value>;
+  });
+}
+
 template <typename scalar_t, bool kFused>
-const void* team_kernel(bool channels_last, int vec) {
+const void* team_kernel(bool channels_last, int vec, Store store) {
   const void* kernel = nullptr;
   with_vec<scalar_t, 16>(vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
-    kernel = channels_last ? reinterpret_cast<const void*>(
-                                 &groupnorm_forward_channels_last_kernel<scalar_t, V, kFused>)
-                           : reinterpret_cast<const void*>(
-                                 &groupnorm_forward_contiguous_kernel<scalar_t, V, kFused>);
+    kernel =
+        channels_last
+            ? reinterpret_cast<const void*>(channels_last_kernel_of<scalar_t, V, kFused>(store))
+            : reinterpret_cast<const void*>(contiguous_kernel_of<scalar_t, V, kFused>(store));
   });
   return kernel;
 }
@@ -55,7 +71,7 @@ void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a
     const int unit_groups = p.G / t.blocks;
     const auto ws = team_workspace<A>(plan, unit_groups, alloc);
     with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
-      launch_kernel(&groupnorm_forward_channels_last_kernel<scalar_t, decltype(v)::value, kFused>,
+      launch_kernel(channels_last_kernel_of<scalar_t, decltype(v)::value, kFused>(plan.store),
                     shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
                     f.template epilogue_for<kFused>(), ws, plan.units, p.HxW, int(p.C), t.blocks,
                     int(p.C / t.blocks), unit_groups, D, t.rows_per_step, t.team, t.slice, t.kept,
@@ -68,7 +84,7 @@ void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a
   const bool fast_div = p.HxW + slice_elems < (int64_t(1) << 31);
   const FastDivider hxw_div(fast_div ? uint32_t(p.HxW) : 1u);
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
-    launch_kernel(&groupnorm_forward_contiguous_kernel<scalar_t, decltype(v)::value, kFused>, shape,
+    launch_kernel(contiguous_kernel_of<scalar_t, decltype(v)::value, kFused>(plan.store), shape,
                   stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
                   f.template epilogue_for<kFused>(), ws, plan.units, int64_t(D) * p.HxW, p.HxW, p.G,
                   D, t.team, slice_elems, t.kept, hxw_div, fast_div, f.eps);
@@ -76,7 +92,7 @@ void launch_team(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a
 }
 
 #define GROUPNORM_INSTANTIATE_TEAM(T, F)                                                  \
-  template const void* team_kernel<T, F>(bool, int);                                      \
+  template const void* team_kernel<T, F>(bool, int, Store);                               \
   template void launch_team<T, F>(const ForwardPlan&, const Problem&, const ForwardArgs&, \
                                   WorkspaceAllocator&, cudaStream_t);
 #define GROUPNORM_INSTANTIATE_TEAMS(T) GROUPNORM_EPILOGUES(GROUPNORM_INSTANTIATE_TEAM, T)

@@ -42,6 +42,12 @@ struct EpilogueArgs {
     return activations == 0 ||
            (activations == 1 && (chain[0] == Activation::SiLU || chain[0] == Activation::ReLU));
   }
+  Store store() const {
+    if (residual != nullptr || activations > 1) return Store::Any;
+    if (activations == 0) return Store::Bare;
+    if (chain[0] == Activation::SiLU) return Store::SiLU;
+    return chain[0] == Activation::ReLU ? Store::ReLU : Store::Any;
+  }
 };
 
 // Pointers of one forward call, typed by the launcher: x, y in the input's
@@ -77,17 +83,18 @@ struct BackwardArgs {
   void* dadd = nullptr;
 };
 
-// Kernel symbols for the occupancy queries. Either merge of a stream kernel
-// has the same launch bounds and shared memory, so the same residency.
-// kFused: the forward kernel with the epilogue (epilogue.cuh).
+// Kernel symbols for the occupancy queries: the copy of the store kind
+// that will run. Either merge of a stream kernel has the same launch bounds
+// and shared memory, so the same residency. kFused: the forward kernel with
+// the epilogue (epilogue.cuh).
 template <typename scalar_t, bool kFused>
-const void* team_kernel(bool channels_last, int vec);
+const void* team_kernel(bool channels_last, int vec, Store store);
 template <typename scalar_t, bool kFused>
-const void* registers_kernel(int vec, int items);
+const void* registers_kernel(int vec, int items, Store store);
 template <typename scalar_t, bool kFused>
-const void* stream_kernel(int vec);
+const void* stream_kernel(int vec, Store store);
 template <typename scalar_t, bool kFused>
-const void* stream_channels_last_kernel(int vec);
+const void* stream_channels_last_kernel(int vec, Store store);
 template <typename scalar_t>
 const void* backward_stream_kernel(bool channels_last, int vec);
 

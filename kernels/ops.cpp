@@ -295,6 +295,7 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
   if (!copy_residual) c.problem.addr |= reinterpret_cast<uintptr_t>(epilogue.args.residual);
   c.problem.epilogue = epilogue.args.any();
   c.problem.called_chain = !epilogue.args.inline_chain();
+  c.problem.store = epilogue.args.store();
   const ForwardPlan plan = choose_forward(c.problem, Request{kernel, team, lag});
   const bool team_kernel =
       plan.kernel == ForwardKernel::Contiguous || plan.kernel == ForwardKernel::ChannelsLast;
@@ -507,6 +508,7 @@ PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& 
                                             activations, 0.0, c10::nullopt, false).args;
   c.problem.epilogue = epilogue || chain.any();
   c.problem.called_chain = !chain.inline_chain();
+  c.problem.store = chain.store();
   if (x.numel() == 0)
     return {{"kernel", std::string("none")}, {"reason", std::string("empty input: no launch")}};
   const c10::cuda::CUDAGuard guard(x.device());

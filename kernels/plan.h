@@ -69,6 +69,7 @@ struct ForwardPlan {
   int64_t grid = 0;
   int threads = 0;
   size_t smem = 0;  // dynamic shared memory per CTA
+  Store store = Store::Bare;  // the kernel's copy (activation.h); Any where it has none
   TeamConfig team;
   StreamConfig stream;
   RegistersConfig registers;

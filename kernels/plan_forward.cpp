@@ -171,7 +171,7 @@ ForwardPlan team_contiguous(const Problem& p, int64_t forced_team) {
   plan.threads =
       int(std::clamp<int64_t>((items + kWarp - 1) / kWarp * kWarp, kWarp, kContiguousThreads));
   const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
-    return team_kernel<typename decltype(tag)::type, fused>(false, plan.vec);
+    return team_kernel<typename decltype(tag)::type, fused>(false, plan.vec, p.store);
   });
   plan_teams(plan, p, kernel, items, plan.vec * p.elem, 1, plan.threads, forced_team);
   return plan;
@@ -199,7 +199,7 @@ std::optional<ForwardPlan> team_channels_last(const Problem& p, bool forced, int
   plan.threads = int((cols * plan.team.rows_per_step + kWarp - 1) / kWarp * kWarp);
   plan.units = p.N * blocks;
   const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
-    return team_kernel<typename decltype(tag)::type, fused>(true, v);
+    return team_kernel<typename decltype(tag)::type, fused>(true, v, p.store);
   });
   plan_teams(plan, p, kernel, p.HxW, C * p.elem, p.G / blocks, plan.team.rows_per_step * int(C),
              forced_team);
@@ -249,7 +249,7 @@ ForwardPlan stream_contiguous(const Problem& p, int64_t forced_lag) {
   const int64_t items = p.D() * p.HxW / plan.vec;
   const int64_t pieces = (items + s.piece - 1) / s.piece;
   const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
-    return stream_kernel<typename decltype(tag)::type, fused>(plan.vec);
+    return stream_kernel<typename decltype(tag)::type, fused>(plan.vec, p.store);
   });
   plan_stream(plan, p, kernel, pieces, s.piece * plan.vec * p.elem, 1, forced_lag);
   // Every normalise item merges its unit's partials itself when fewer than
@@ -300,7 +300,7 @@ std::optional<ForwardPlan> stream_channels_last(const Problem& p, bool forced, i
   s.each_merges = pieces * 2 * G * p.acc * kEachMergeShare <= piece_bytes;
   s.chunk = s.each_merges ? pieces : std::max<int64_t>(1, kChunkPartials / G);
   const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
-    return stream_channels_last_kernel<typename decltype(tag)::type, fused>(v);
+    return stream_channels_last_kernel<typename decltype(tag)::type, fused>(v, p.store);
   });
   plan_stream(plan, p, kernel, pieces, piece_bytes, s.each_merges ? 1 : kRowsFrontsOnce,
               forced_lag);
@@ -373,7 +373,8 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
   }
   if (ranks > 1) {
     const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
-      return registers_kernel<typename decltype(tag)::type, fused>(v, kRegistersManyItems);
+      return registers_kernel<typename decltype(tag)::type, fused>(v, kRegistersManyItems,
+                                                                   p.store);
     });
     const bool schedulable = active_clusters(kernel, p.device, threads, int(ranks)) > 0;
     TORCH_CHECK(schedulable || !forced,
@@ -453,10 +454,7 @@ void check_request(const Problem& p, const Request& req) {
                     "force another kernel, or none");
 }
 
-}  // namespace
-
-ForwardPlan choose_forward(const Problem& p, const Request& req) {
-  check_request(p, req);
+ForwardPlan choose_kernel(const Problem& p, const Request& req) {
   if (req.automatic()) {
     // First match wins.
     if (p.channels_last) {
@@ -501,6 +499,19 @@ ForwardPlan choose_forward(const Problem& p, const Request& req) {
   return plan;
 }
 
+}  // namespace
+
+ForwardPlan choose_forward(const Problem& p, const Request& req) {
+  check_request(p, req);
+  ForwardPlan plan = choose_kernel(p, req);
+  // The kernel's copy for the call's store kind, where it has one.
+  const bool copies =
+      plan.kernel != ForwardKernel::Reference &&
+      has_store_copies(plan.kernel == ForwardKernel::ChannelsLast, plan.vec * p.elem, p.elem);
+  plan.store = !p.epilogue ? Store::Bare : copies ? p.store : Store::Any;
+  return plan;
+}
+
 namespace {
 const char* name_of(ForwardKernel k) {
   switch (k) {
@@ -516,6 +527,19 @@ const char* name_of(ForwardKernel k) {
       return "stream";  // either layout: the name that forces it
   }
 }
+
+const char* name_of(Store s) {
+  switch (s) {
+    case Store::Bare:
+      return "none";
+    case Store::SiLU:
+      return "silu";
+    case Store::ReLU:
+      return "relu";
+    default:
+      return "any";
+  }
+}
 }  // namespace
 
 PlanFields describe(const ForwardPlan& plan, const Problem& p) {
@@ -525,7 +549,8 @@ PlanFields describe(const ForwardPlan& plan, const Problem& p) {
                   {"units", plan.units},
                   {"grid", plan.grid},
                   {"threads", int64_t(plan.threads)},
-                  {"smem", int64_t(plan.smem)}};
+                  {"smem", int64_t(plan.smem)},
+                  {"store", std::string(name_of(plan.store))}};
   switch (plan.kernel) {
     case ForwardKernel::Registers:
       f.push_back({"items", int64_t(plan.registers.items)});

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <initializer_list>
 
+#include "activation.h"
 #include "device.h"
 
 namespace groupnorm {
@@ -28,6 +29,8 @@ struct Problem {
   // The forward's activation chain is called, not inline (EpilogueArgs::inline_chain),
   // which the registers kernel does not take.
   bool called_chain = false;
+  // The store kind of a fused forward's kernel (activation.h).
+  Store store = Store::Bare;
 
   int64_t D() const { return C / G; }
   int64_t bytes() const { return N * C * HxW * elem; }  // of x
