@@ -4752,8 +4752,10 @@ UNLAUNCHED_ELSEWHERE = [  # (direction, shape, groups, dtypes, layout, kernel, l
     ("forward", (2, 670, 5, 3), 67, (F64,), "channels_last", "channels_last", 0, dict(vec=2, blocks=1)),
     # groupnorm_forward_reference_kernel<double, true>
     ("forward", (2, 6, 5, 7), 3, (F64,), "contiguous", "reference", 0, dict()),
-    # groupnorm_forward_registers_kernel<Half, 4, 16, *>: 4104 vectors in 512 threads
-    ("forward", (2, 16, 36, 57), 2, (F16,), "contiguous", "registers", 0, dict(vec=4, items=16, ranks=1)),
+    # groupnorm_forward_registers_kernel<T, 4, 16, *>: 4104 vectors in 512 threads
+    ("forward", (2, 16, 36, 57), 2, (BF16, F16), "contiguous", "registers", 0, dict(vec=4, items=16, ranks=1)),
+    # groupnorm_forward_registers_kernel<BFloat16, 2, 16, *>: 5400 vectors in 512 threads
+    ("forward", (2, 16, 30, 45), 2, (BF16,), "contiguous", "registers", 0, dict(vec=2, items=16, ranks=1)),
     # groupnorm_backward_{sums,dx}_channels_last_kernel<T, 1>: odd C
     ("backward", (2, 15, 9, 11), 5, (BF16, F64), "channels_last", "passes", 0, dict(vec=1)),
     # groupnorm_backward_{sums,dx}_contiguous_kernel<T, 2>: HxW = 2 mod 4
@@ -4767,12 +4769,44 @@ UNLAUNCHED_ELSEWHERE = [  # (direction, shape, groups, dtypes, layout, kernel, l
     # groupnorm_backward_stream_channels_last_kernel<T, 4>: C / G = 4
     ("backward", (2, 32, 20, 20), 8, (BF16, F16), "channels_last", "stream", 0, dict(vec=4)),
     # groupnorm_backward_stream_kernel<T, 1>: odd HxW
-    ("backward", (2, 8, 33, 35), 2, (BF16, F16), "contiguous", "stream", 0, dict(vec=1)),
+    ("backward", (2, 8, 33, 35), 2, (BF16, F16, F64), "contiguous", "stream", 0, dict(vec=1)),
     # groupnorm_backward_stream_kernel<T, 2>: HxW = 2 mod 4
     ("backward", (2, 8, 30, 45), 2, (BF16, F16, F32), "contiguous", "stream", 0, dict(vec=2)),
     # groupnorm_backward_stream_kernel<T, 4>: HxW = 4 mod 8
     ("backward", (2, 8, 36, 57), 2, (BF16, F16), "contiguous", "stream", 0, dict(vec=4)),
 ]
+# The fused backward's passes (16-byte vectors or single elements,
+# plan_backward.cpp) and its chain kernel at the widths and dtypes no other
+# test reaches, against torch's sequence: SiLU (taken back in the passes)
+# and GELU (the chain kernel first). The plain plan's width is the fused
+# one's wherever it is 16 bytes or one element, so a row that stops
+# reaching its width fails.
+FUSED_BACKWARD_WIDTHS = [  # (shape, groups, dtypes, layout, vec)
+    ((2, 8, 9, 11), 2, (F16,), "contiguous", 1),  # odd HxW
+    ((2, 8, 8, 8), 2, (F16, F64), "contiguous", None),  # 16 bytes
+    ((2, 15, 9, 11), 5, (BF16, F16, F32, F64), "channels_last", 1),  # odd C
+    ((2, 16, 9, 11), 4, (F64,), "channels_last", 2),
+]
+FUSED_BACKWARD_WIDTH_CASES = [(shape, groups, dtype, layout, vec or 16 // dtype.itemsize)
+                              for shape, groups, dtypes, layout, vec in FUSED_BACKWARD_WIDTHS
+                              for dtype in dtypes]
+
+
+@cuda
+@pytest.mark.parametrize("shape,groups,dtype,layout,vec", FUSED_BACKWARD_WIDTH_CASES,
+                         ids=lambda v: str(v)[6:] if isinstance(v, torch.dtype) else str(v))
+def test_gpu_fused_backward_at_every_width(shape, groups, dtype, layout, vec):
+    x = make_input(shape, dtype, layout, "cuda", shift=1.0)
+    assert gn.plan(x, groups, backward=True, kernel="passes")["vec"] == vec
+    N, C = shape[:2]
+    w, b = affine(C, dtype, "cuda", "both")
+    for activation in ("silu", "gelu"):
+        args = dict(activation=activation,
+                    scale=0.5 * torch.randn(N, C, device="cuda").to(dtype))
+        assert_as_close_as_torch(*fused_gradients(x, w, b, args, torch.randn_like(x), groups),
+                                 dtype)
+
+
 UNLAUNCHED_ELSEWHERE_CASES = [(direction, shape, groups, dtype, layout, kernel, n, fields)
                               for direction, shape, groups, dtypes, layout, kernel, n, fields
                               in UNLAUNCHED_ELSEWHERE for dtype in dtypes]
