@@ -1028,10 +1028,11 @@ def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False, fused=False
     activation); a chain other than SiLU or ReLU alone never takes the
     registers kernel, which has no call for one. A residual whose address
     allows narrower vectors than x's narrows them. Its "store" names the
-    kernel's copy for the call without a residual: "none" (no activation),
-    "silu" or "relu" alone, or "any", which tests every option as it stores
-    and serves the rest (a residual, the other chains, vector widths the
-    kernel has no copies for; kernels/kernel_shapes.h).
+    kernel's copy for the call without a residual: "none" (no activation;
+    also the plain kernel's, without fused or an activation), "silu" or
+    "relu" alone, or "any", which tests every option as it stores and serves
+    the rest (a residual, the other chains, the reference kernel, double,
+    vector widths the kernel has no copies for; kernels/kernel_shapes.h).
 
     With backward=True, the backward's kernel and tiling for x (and a
     grad_output laid out like it, dx wanted): there kernel is "auto",

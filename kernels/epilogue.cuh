@@ -8,16 +8,18 @@
 // residual_first y = act(y + residual) (a ResNet block's tail). Each forward
 // kernel takes it as a compile-time switch (kFused) and, when on, a
 // run-time value (Epilogue<scalar_t, true>): the plain instantiation compiles
-// to the code it had before the epilogue existed, and one fused
-// instantiation a kernel serves every option.
+// to the code it had before the epilogue existed, and the fused ones serve
+// every option (below: a copy per store kind; the Any copy all of them).
 //  - scale and shift fold into the per-channel affine the kernels already
 //    compute (channel_affine): rstd * gamma * (1 + s) and beta * (1 + s) + t,
 //    so they cost nothing per element.
 //  - the activation chain runs on the accumulation-type value before the
 //    cast: SiLU or ReLU alone inline, other chains in a called function
-//    (activate). A fused kernel has a copy per store kind (Store): those
-//    of the common calls, nothing or SiLU or ReLU alone and no residual,
-//    test nothing per stored vector; Any tests every option.
+//    (activate). At the vector width its planner prefers, a fused kernel
+//    has a copy per store kind (Store, has_store_copies): those of the
+//    common calls, nothing or SiLU or ReLU alone and no residual, test
+//    nothing per stored vector; Any tests every option, and is the only
+//    copy at other widths and for double.
 //  - the residual is read at the element offset y is written at (same
 //    layout), in the store's vector width, and added last (or before the
 //    activations).
