@@ -282,20 +282,15 @@ __device__ __forceinline__ void add_residual(acc_t<scalar_t> (&v)[V], const scal
   for (int e = 0; e < V; ++e) v[e] += static_cast<acc_t<scalar_t>>(r.val[e]);
 }
 
-// The store kind K of a kernel (activation.h) as a type: the launchers
-// pick a kernel's copy with it.
-template <Store K>
-using StoreAs = std::integral_constant<Store, K>;
-
 // Writes y[at, at + V) from the affine values v: the activation chain, the
 // residual at the same offset (before the chain with residual_first), then
 // the rounding to scalar_t. kStore: the kernel's store kind (Bare, SiLU and
 // ReLU test nothing per vector, Any every option). kCalls: whether a chain
 // other than SiLU or ReLU alone may come, through the call; a kernel built
-// without it is never planned for one (EpilogueArgs::inline_chain). kResidualFirst: whether a
-// residual before the chain may come; the stream kernels, at their register
-// bound, are built without it and never launched with one (forward_fused
-// splits such a call).
+// without it is never planned for one (EpilogueArgs::inline_chain).
+// kResidualFirst: whether a residual before the chain may come; the stream
+// kernels, at their register bound, are built without it and never launched
+// with one (forward_fused splits such a call).
 template <typename scalar_t, int V, bool kFused, bool kCalls = true, bool kResidualFirst = true,
           Store kStore = Store::Any>
 __device__ __forceinline__ void store_output(scalar_t* __restrict__ y, int64_t at,

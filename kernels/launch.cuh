@@ -142,6 +142,10 @@ void with_vec(int v, F&& f) {
   TORCH_CHECK(false, "groupnorm: no kernel for vector width " + std::to_string(v));
 }
 
+// A store kind (activation.h) as a type, a kernel copy's template argument.
+template <Store K>
+using StoreAs = std::integral_constant<Store, K>;
+
 // Calls f(StoreAs<K>{}) for the kernel copy that serves `store` at vector
 // width V: the kind's own where the kernel has copies at V
 // (has_store_copies), else Any; a plain kernel's, Bare.
