@@ -6,9 +6,10 @@ torch.profiler, summed per kernel.
                                          [--top 12] [--variants torch,ours,pass] [--json PATH]
                                          [--tiny]
 
---mode train profiles models.py's eager training step (forward and
-backward) of "torch" and "ours" instead ("pass" has nothing to rewrite in
-eager mode and is left out). With both of those, every mode prints an
+--mode eager profiles models.py's eager forward (under torch.no_grad())
+of "torch" and "ours", and --mode train its eager training step (forward
+and backward), instead ("pass" has nothing to rewrite in eager mode and is
+left out). With both of those, every mode prints an
 upper bound on the swap's GPU-time speed-up: torch's kernel time over the
 time of ours' kernels that are not GroupNorm's.
 
@@ -48,6 +49,9 @@ def variants(name, mode, tiny, device, wanted):
     if mode == "train":  # eager: the compile pass has nothing to rewrite
         return {v: (lambda m=m: models.training_step(m, call, args))
                 for v, m in built.items() if v in wanted}
+    if mode == "eager":
+        return {v: (lambda m=m: torch.no_grad()(call)(m, *args))
+                for v, m in built.items() if v in wanted}
     built["pass"] = copy.deepcopy(built["torch"])  # its own copy, as models.py's
     return {v: models.compiled_variant({}, m, models.with_compile_fusion(call) if v == "pass" else call,
                                        args, mode)[0]
@@ -76,7 +80,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="vae")
     parser.add_argument("--mode", default="compile",
-                        choices=("compile", "reduce-overhead", "train"))
+                        choices=("compile", "reduce-overhead", "eager", "train"))
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating rounds of --calls unprofiled calls per variant")
@@ -88,7 +92,7 @@ def main(argv=None):
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     if device.type == "cpu" and not args.tiny:
         parser.error("no CUDA device: only --tiny runs on the CPU")
-    if args.mode != "train":  # eager: nothing to compile
+    if args.mode not in ("eager", "train"):  # nothing to compile
         models.warm_inductor(device)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "mode": args.mode,
