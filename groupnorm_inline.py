@@ -1003,6 +1003,83 @@ def _cuda_forward(x, gamma, beta, groups, eps, epilogue=None, caller="groupnorm_
     return extension.forward(x, gamma, beta, groups, eps, "auto", 0, 0)[0]
 
 
+# group_norm's activation -> (codes, slope) for the fast path, for the
+# activations it takes: a name, a tuple of names, or ("leaky_relu", float)
+_FAST_ACTIVATIONS = {}
+
+
+def _fast_activation(activation):
+    """(codes, slope) of a valid activation of the kinds above, None for no
+    activation, or False where group_norm's checks must see it (other types:
+    True would hash as 1 does)."""
+    if activation is None:
+        return None
+    kind = type(activation)
+    found = _FAST_ACTIVATIONS.get(activation, False) if kind is str else False
+    if found is not False:
+        return found
+    if not (kind is str or kind is tuple and (
+            all(type(item) is str for item in activation)
+            or len(activation) == 2 and activation[0] == "leaky_relu"
+            and type(activation[1]) is float)):
+        return False
+    found = _FAST_ACTIVATIONS.get(activation, False)
+    if found is False:
+        try:
+            steps = _activation_steps("group_norm", activation)
+        except GroupNormError:
+            return False  # group_norm raises it, naming the problem
+        epilogue = _Epilogue(None, None, None, steps)
+        found = _FAST_ACTIVATIONS[activation] = (epilogue.codes(), epilogue.slope())
+    return found
+
+
+def _fast_forward(input, groups, weight, bias, eps, activation=None):
+    """group_norm without add, scale, shift, residual or process_group, by
+    the shortest path: the extension's forward (the operator where gradients
+    are wanted), with the checks the C++ makes left to it. None where
+    group_norm's own path must decide: not an eager call on a plain CUDA
+    tensor with a loaded extension; torch's rules apply (autocast, mixed
+    dtypes, torch.func, forward-mode AD); an input torch refuses that the
+    C++ would take (a single value per channel, an empty one); or any
+    argument the C++ refuses, so that group_norm raises its error. Its
+    checks cost a layer call about as much as the kernel's launch."""
+    if (torch.compiler.is_compiling() or type(input) is not torch.Tensor or not input.is_cuda
+            or type(groups) is not int or type(eps) is not float or _extension is None
+            or input.layout is not torch.strided or torch.is_autocast_enabled("cuda")
+            or torch.autograd.forward_ad._current_level >= 0):
+        return None
+    fused = _fast_activation(activation)
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if fused is False or wrapped(input):
+        return None
+    numel = input.numel()
+    if numel == 0 or numel == groups:
+        return None
+    grad = torch.is_grad_enabled() and input.requires_grad
+    for t in (weight, bias):
+        if t is not None:
+            if (not isinstance(t, torch.Tensor) or t.dtype is not input.dtype
+                    or t.layout is not torch.strided or wrapped(t)):
+                return None
+            grad = grad or torch.is_grad_enabled() and t.requires_grad
+    try:
+        if fused is None:
+            if grad:
+                return _OPS.forward(input, weight, bias, groups, eps)[0]
+            return _extension.forward(input, weight, bias, groups, eps, "auto", 0, 0)[0]
+        codes, slope = fused
+        if grad:
+            return _OPS.forward_fused(input, weight, bias, groups, eps, None, None, None, codes,
+                                      slope)[0]
+        return _extension.forward_fused(input, weight, bias, groups, eps, "auto", 0, 0, None,
+                                        None, None, codes, slope, None, False)[0]
+    except torch.OutOfMemoryError:
+        raise
+    except (ValueError, TypeError, RuntimeError):
+        return None  # group_norm's checks name the problem (or route it to torch)
+
+
 def _traced_as_constant(function):
     """Has torch.compile call `function` while it traces, taking the result
     as a constant, instead of tracing into it (what
@@ -1136,6 +1213,12 @@ def group_norm(input, num_groups, weight=None, bias=None, eps=1e-5, *, scale=Non
     per (sample, channel) is added where the kernels load the input; a
     full-shape add, return_sum and autocast take torch's add first.
     """
+    if (scale is None and shift is None and residual is None and add is None
+            and return_sum is False and process_group is None
+            and residual_before_activation is False):
+        y = _fast_forward(input, num_groups, weight, bias, eps, activation)
+        if y is not None:
+            return y
     _check_return_sum("group_norm", return_sum)
     prologue = None  # an (N, C) add, for the kernels' prologue
     autocast = isinstance(input, torch.Tensor) and input.is_cuda and torch.is_autocast_enabled("cuda")
@@ -1607,6 +1690,11 @@ class GroupNorm(nn.GroupNorm):
 
     def forward(self, input, *, add=None, return_sum=False):
         """nn.GroupNorm's forward; add and return_sum as in group_norm."""
+        if add is None and return_sum is False and self.process_group is None:
+            y = _fast_forward(input, self.num_groups, self.weight, self.bias, self.eps,
+                              self._activation)
+            if y is not None:
+                return y
         return group_norm(input, self.num_groups, self.weight, self.bias, self.eps,
                           activation=self._activation, add=add, return_sum=return_sum,
                           process_group=self.process_group)

@@ -6,6 +6,7 @@ compare with a float64 reference on fresh random data, and poison the memory
 the output will occupy before every call.
 """
 
+import contextlib
 import copy
 import errno
 import importlib.util
@@ -3356,6 +3357,24 @@ def test_gpu_forward_mode_ad_goes_to_torch():
     torch.testing.assert_close(ours.tangent, theirs.tangent)
 
 
+def test_fast_path_leaves_cpu_and_subclassed_inputs_to_group_norm():
+    # the fast path serves eager calls on plain CUDA tensors alone
+    x = torch.randn(2, 6, 4)
+    assert gn._fast_forward(x, 3, None, None, 1e-5) is None
+    assert gn._fast_forward(x.as_subclass(PretendCuda), 3, None, None, 1e-5) is None
+
+
+@pytest.mark.parametrize("activation, expected", [
+    (None, None), ("silu", ([0], 0.01)), ("relu", ([3], 0.01)),
+    (("tanh", "hardswish"), ([5, 7], 0.01)), (("leaky_relu", 0.25), ([4], 0.25)),
+    ("leaky", False), (["silu"], False), (("leaky_relu", 1), False),
+    (("leaky_relu", True), False), (("silu",) * 5, False), (True, False), (1, False)])
+def test_fast_activation_takes_valid_names_and_leaves_the_rest(activation, expected):
+    # False: group_norm's checks see it (a bool hashes as 1 does, so only
+    # names, tuples of names and ("leaky_relu", float) are looked up)
+    assert gn._fast_activation(activation) == expected
+
+
 def test_dual_tensors_count_as_transformed():
     import torch.autograd.forward_ad as fwAD
     x = torch.randn(2, 4, 3)
@@ -3364,6 +3383,88 @@ def test_dual_tensors_count_as_transformed():
         dual = fwAD.make_dual(x, torch.ones_like(x))
         assert gn._func_transformed(None, dual)
         assert not gn._func_transformed(x)
+
+
+FAST_PATH_LAYOUTS = [((2, 64, 12, 10), 8, torch.float16, "contiguous"),
+                     ((2, 96, 7, 9), 12, torch.bfloat16, "channels_last"),
+                     ((3, 32, 50), 4, torch.float32, "contiguous")]
+
+
+@cuda
+@pytest.mark.parametrize("case", FAST_PATH_LAYOUTS, ids=lambda c: f"{c[2]}-{c[3]}"[6:])
+@pytest.mark.parametrize("activation", [None, "silu", ("tanh", "hardswish")])
+def test_gpu_fast_path_serves_layers_as_the_checked_path(case, activation, monkeypatch):
+    # with group_norm's checked path disabled, the layer and the function
+    # still run (the fast path), bitwise as groupnorm_cuda, gradients too
+    shape, groups, dtype, layout = case
+    x = make_input(shape, dtype, layout, "cuda")
+    layer = gn.GroupNorm(groups, shape[1], activation=activation).to("cuda", dtype)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    x_grad = x.clone().requires_grad_()
+    checked = gn.groupnorm_cuda(x_grad, layer.weight, layer.bias, groups, activation=activation)
+    dy = torch.randn_like(checked)
+    checked_grads = torch.autograd.grad(checked, (x_grad, layer.weight, layer.bias), dy)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checked path ran")
+
+    monkeypatch.setattr(gn, "_check_arguments", refuse)
+    with torch.no_grad():
+        y = layer(x)
+        assert torch.equal(y, checked) and y.stride() == checked.stride()
+        assert torch.equal(gn.group_norm(x, groups, layer.weight, layer.bias,
+                                         activation=activation), checked)
+    y = layer(x_grad)
+    assert y.grad_fn is not None and torch.equal(y, checked)
+    grads = torch.autograd.grad(y, (x_grad, layer.weight, layer.bias), dy)
+    for ours, theirs in zip(grads, checked_grads):
+        assert torch.equal(ours, theirs)
+
+
+@cuda
+@pytest.mark.parametrize("case", [
+    "autocast", "single value per channel", "empty batch", "weight of another dtype",
+    "weight on the CPU", "bool groups", "int eps", "groups not dividing C", "negative eps",
+    "integer input", "subclass", "dual tensor", "sparse weight"])
+def test_gpu_fast_path_leaves_to_group_norm_what_it_must_decide(case):
+    # each of these takes torch's path or raises group_norm's own error
+    import torch.autograd.forward_ad as fwAD
+    x = make_input((2, 8, 3, 3), torch.float16, "contiguous", "cuda")
+    w, b = affine(8, torch.float16, "cuda", "both")
+    args = dict(input=x, groups=4, weight=w, bias=b, eps=1e-5)
+    context = contextlib.nullcontext()
+    if case == "autocast":
+        context = torch.autocast("cuda")
+    elif case == "single value per channel":
+        args.update(input=x[:1, :, :1, :1].contiguous(), groups=8)
+    elif case == "empty batch":
+        args["input"] = x[:0]
+    elif case == "weight of another dtype":
+        args["weight"] = w.float()
+    elif case == "weight on the CPU":
+        args["weight"] = w.cpu()
+    elif case == "bool groups":
+        args["groups"] = True
+    elif case == "int eps":
+        args["eps"] = 0
+    elif case == "groups not dividing C":
+        args["groups"] = 3
+    elif case == "negative eps":
+        args["eps"] = -1.0
+    elif case == "integer input":
+        args["input"] = x.to(torch.int32)
+    elif case == "subclass":
+        args["input"] = torch.nn.Parameter(x)
+    elif case == "dual tensor":
+        context = fwAD.dual_level()
+    elif case == "sparse weight":
+        args["weight"] = w.to_sparse()
+    with context, torch.no_grad():
+        if case == "dual tensor":
+            args["input"] = fwAD.make_dual(x, torch.ones_like(x))
+        assert gn._fast_forward(**args) is None
 
 
 @cuda
