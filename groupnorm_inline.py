@@ -65,12 +65,13 @@ _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in
 # The extension is compiled as separate translation units, in parallel: the
 # host code, the Python module, and each kernel family once per dtype and
 # epilogue switch (without the epilogue, with it).
-_HOST_UNITS = ["device.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp", "library.cpp",
-               "bindings.cpp"]
+_HOST_UNITS = ["device.cpp", "errors.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp",
+               "library.cpp", "bindings.cpp"]
 _KERNEL_UNITS = ["launch_forward_small.cu", "launch_forward_team.cu", "launch_forward_stream.cu",
                  "launch_forward_stream_channels_last.cu", "launch_backward.cu"]
-_UNIT_DTYPES = {"float": "float", "double": "double", "half": "c10::Half",
-                "bfloat16": "c10::BFloat16"}
+# 16-bit dtypes first: their units take the longest (_write_sources)
+_UNIT_DTYPES = {"half": "c10::Half", "bfloat16": "c10::BFloat16", "float": "float",
+                "double": "double"}
 # Everything but the Python module as one translation unit, and the
 # declarations to bind: the KernelBench export (load_inline compiles strings).
 _SINGLE_UNIT = "extension.cu"
@@ -139,10 +140,10 @@ def _arch_list():
 
 def _dtype_units(family):
     """{file stem: text} of a kernel family's translation units: one per
-    dtype and epilogue switch."""
+    dtype and epilogue switch, those with the epilogue first."""
     units = {}
-    for dtype, type_name in _UNIT_DTYPES.items():
-        for suffix, fused in (("", "false"), ("_epilogue", "true")):
+    for suffix, fused in (("_epilogue", "true"), ("", "false")):
+        for dtype, type_name in _UNIT_DTYPES.items():
             units[f"{family[:-3]}_{dtype}{suffix}"] = (
                 f"#define GROUPNORM_DTYPES(X) X({type_name})\n"
                 f"#define GROUPNORM_EPILOGUES(X, T) X(T, {fused})\n"
@@ -150,11 +151,22 @@ def _dtype_units(family):
     return units
 
 
+def _kernel_units():
+    """{file stem: text} of every kernel unit, in the order the build starts
+    them: ninja starts units in the order it is given them, and the longest
+    going first leaves none running alone at the end (docs/DESIGN.md
+    "Build"). Each family's units with the epilogue, then those without,
+    each in _UNIT_DTYPES's order."""
+    per_family = [list(_dtype_units(family).items()) for family in _KERNEL_UNITS]
+    return dict(unit for rank in range(2 * len(_UNIT_DTYPES)) for units in per_family
+                for unit in units[rank:rank + 1])
+
+
 def extension_name(arch=None):
     """Name of the compiled extension: a hash of everything that shapes the
     binary (sources, the units they are compiled as, flags, versions) and of
     the cache's layout, so an edited kernel can never load a stale build."""
-    units = [*_HOST_UNITS, *(text for f in _KERNEL_UNITS for text in _dtype_units(f).values())]
+    units = [*_HOST_UNITS, *_kernel_units().values()]
     key = "\0".join([*(name + "\0" + _read_source(name) for name in _kernel_files()), *units,
                      " ".join(_CXX_FLAGS + _CUDA_FLAGS), arch or _arch_list(), torch.__version__,
                      str(torch.version.cuda), sys.version.split()[0], _CACHE_LAYOUT])
@@ -410,8 +422,9 @@ def _cache_error(error, name, build_dir):
 
 
 def _write_sources(build_dir):
-    """The translation units to compile, written under build_dir: the kernel
-    sources in src/, and for each kernel family one file per dtype that
+    """The translation units to compile, written under build_dir, in the
+    order the build starts them (_kernel_units): the kernel sources in src/,
+    and for each kernel family one file per dtype and epilogue switch that
     includes it (GROUPNORM_DTYPES, kernels/launchers.h)."""
     src = os.path.join(build_dir, "src")
     os.makedirs(src, exist_ok=True)
@@ -429,12 +442,12 @@ def _write_sources(build_dir):
 
     for name in _kernel_files():
         write(os.path.join(src, name), _read_source(name))
-    units = [os.path.join(src, name) for name in _HOST_UNITS]
-    for family in _KERNEL_UNITS:
-        for stem, text in _dtype_units(family).items():
-            path = os.path.join(build_dir, f"{stem}.cu")
-            write(path, text)
-            units.append(path)
+    kernel_units = []
+    for stem, text in _kernel_units().items():
+        path = os.path.join(build_dir, f"{stem}.cu")
+        write(path, text)
+        kernel_units.append(path)
+    units = [os.path.join(src, name) for name in _HOST_UNITS] + kernel_units
     return units
 
 

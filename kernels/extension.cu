@@ -3,6 +3,7 @@
 // loader instead compiles each file on its own, in parallel, with
 // bindings.cpp as the Python module.
 #include "device.cpp"
+#include "errors.cpp"
 #include "launch_backward.cu"
 #include "launch_forward_small.cu"
 #include "launch_forward_stream.cu"

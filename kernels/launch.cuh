@@ -4,14 +4,12 @@
 // and the dispatch from a planned vector width to a kernel's template.
 #pragma once
 
-#include <c10/cuda/CUDAException.h>
-#include <c10/util/Exception.h>
-
 #include <string>
 #include <type_traits>
 #include <utility>
 
 #include "epilogue.cuh"
+#include "errors.h"
 #include "kernel_shapes.h"
 #include "launchers.h"
 #include "vec.cuh"
@@ -48,7 +46,7 @@ void launch_kernel(void (*kernel)(Params...), const LaunchShape& shape, cudaStre
   }
   config.attrs = attrs;
   config.numAttrs = count;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+  GROUPNORM_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
 // An epilogue's untyped arguments as a kernel takes them.
@@ -139,7 +137,7 @@ void with_vec(int v, F&& f) {
     case 1:
       return f(std::integral_constant<int, 1>{});
   }
-  TORCH_CHECK(false, "groupnorm: no kernel for vector width " + std::to_string(v));
+  raise_error("groupnorm: no kernel for vector width " + std::to_string(v));
 }
 
 // A store kind (activation.h) as a type, a kernel copy's template argument.

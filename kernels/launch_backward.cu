@@ -3,8 +3,11 @@
 // (backward_stream*.cuh, plain), each followed, when dgamma and dbeta are
 // wanted, by the affine kernel. Every temporary of a backward comes from one
 // allocation, but the chain kernel's g (a second).
+#include <string>
+
 #include "backward_stream.cuh"
 #include "backward_stream_channels_last.cuh"
+#include "errors.h"
 #include "launch.cuh"
 
 namespace groupnorm {
@@ -104,8 +107,9 @@ void with_passes_vec(int v, F&& f) {
   if constexpr (kFused) {
     constexpr int kWidest = int(16 / sizeof(scalar_t));
     if (v == kWidest) return f(std::integral_constant<int, kWidest>{});
-    TORCH_CHECK(v == 1, "groupnorm backward: the fused passes take ", kWidest,
-                " elements a vector or one, got ", v);
+    GROUPNORM_CHECK(v == 1, "groupnorm backward: the fused passes take " +
+                                std::to_string(kWidest) + " elements a vector or one, got " +
+                                std::to_string(v));
     return f(std::integral_constant<int, 1>{});
   } else {
     with_vec<scalar_t, 16>(v, std::forward<F>(f));

@@ -1,6 +1,7 @@
 // Launcher of the contiguous stream forward (forward_stream.cuh): the
 // counters (zeroed) and the ring of piece partials in one allocation, then
 // one plain launch.
+#include "errors.h"
 #include "forward_stream.cuh"
 #include "launch.cuh"
 
@@ -31,8 +32,9 @@ void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs&
                    WorkspaceAllocator& alloc, cudaStream_t stream) {
   // Built without a residual before the activations (store_output's
   // kResidualFirst): forward_fused splits such a call.
-  TORCH_CHECK(!a.epilogue.residual_first, "groupnorm: a stream kernel launched with a residual "
-              "before the activations (an internal error)");
+  GROUPNORM_CHECK(!a.epilogue.residual_first,
+                  "groupnorm: a stream kernel launched with a residual before the activations "
+                  "(an internal error)");
   using A = acc_t<scalar_t>;
   const StreamConfig& s = plan.stream;
   const TypedForward<scalar_t> f(a);

@@ -6,7 +6,6 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
-#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <cuda_runtime_api.h>
 
@@ -152,51 +151,5 @@ constexpr bool built_for_epilogue() {
   return false GROUPNORM_EPILOGUES(GROUPNORM_IS_SWITCH, float);
 }
 #undef GROUPNORM_IS_SWITCH
-
-template <typename T>
-struct TypeTag {
-  using type = T;
-};
-
-// f(TypeTag<scalar_t>{}) for the dtype of a problem; an error for a dtype
-// the build has no kernels for.
-template <typename F>
-decltype(auto) with_dtype(c10::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case c10::ScalarType::Float:
-      if constexpr (built_for_dtype<float>()) return f(TypeTag<float>{});
-      break;
-    case c10::ScalarType::Double:
-      if constexpr (built_for_dtype<double>()) return f(TypeTag<double>{});
-      break;
-    case c10::ScalarType::Half:
-      if constexpr (built_for_dtype<c10::Half>()) return f(TypeTag<c10::Half>{});
-      break;
-    case c10::ScalarType::BFloat16:
-      if constexpr (built_for_dtype<c10::BFloat16>()) return f(TypeTag<c10::BFloat16>{});
-      break;
-    default:
-      break;
-  }
-  TORCH_CHECK(false, "groupnorm: this build has no kernels for ", dtype,
-              " input (a KernelBench solution is built for float32 alone)");
-}
-
-// f(TypeTag<scalar_t>{}, std::bool_constant<kFused>{}) for a problem: its
-// dtype, and whether it has an epilogue (forward) or is the fused forward's
-// backward.
-template <typename F>
-decltype(auto) with_kernel_types(const Problem& p, F&& f) {
-  return with_dtype(p.dtype, [&](auto tag) {
-    if (p.epilogue) {
-      if constexpr (built_for_epilogue<true>()) return f(tag, std::true_type{});
-    } else {
-      if constexpr (built_for_epilogue<false>()) return f(tag, std::false_type{});
-    }
-    TORCH_CHECK(false, "groupnorm: this build has no kernels ",
-                p.epilogue ? "with" : "without", " an epilogue (a KernelBench solution has "
-                "those of its problem's forward alone)");
-  });
-}
 
 }  // namespace groupnorm

@@ -22,6 +22,7 @@
 
 #include <cmath>
 
+#include "dispatch.h"
 #include "launchers.h"
 #include "message.h"
 
@@ -94,7 +95,7 @@ Checked check_inputs(const at::Tensor& x, const c10::optional<at::Tensor>& gamma
                       HxW,
                       int(groups),
                       channels_last,
-                      dtype,
+                      dtype_of(dtype),
                       int64_t(x.element_size()),
                       dtype == at::kDouble ? 8 : 4,
                       reinterpret_cast<uintptr_t>(c.x.data_ptr()),

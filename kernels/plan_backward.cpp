@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "dispatch.h"
 #include "kernel_shapes.h"
 #include "launchers.h"
 #include "message.h"

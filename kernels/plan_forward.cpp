@@ -8,6 +8,7 @@
 #include <optional>
 #include <string>
 
+#include "dispatch.h"
 #include "kernel_shapes.h"
 #include "launchers.h"
 #include "message.h"

@@ -3,8 +3,6 @@
 // rule reads this and nothing else.
 #pragma once
 
-#include <c10/core/ScalarType.h>
-
 #include <cstdint>
 #include <initializer_list>
 
@@ -13,11 +11,15 @@
 
 namespace groupnorm {
 
+// The input's element type: dispatch.h maps torch's ScalarType to it, so
+// that the kernel units, which include this header, need not parse torch's.
+enum class Dtype : int8_t { Float, Double, Half, BFloat16 };
+
 struct Problem {
   int64_t N, C, HxW;
   int G;
   bool channels_last;  // x is (N, HxW, C) in memory
-  c10::ScalarType dtype;
+  Dtype dtype;
   int64_t elem;    // bytes per element
   int64_t acc;     // bytes per accumulator (float, or double for double)
   uintptr_t addr;  // addresses the vectors must divide (x's, OR-ed with dy's in the backward)

@@ -15,8 +15,7 @@
 // run: no deadlock whatever is resident, and no cooperative launch.
 #pragma once
 
-#include <c10/util/Exception.h>
-
+#include "errors.h"
 #include "layout.h"
 #include "sync.cuh"
 #include "vec.cuh"
@@ -40,7 +39,7 @@ struct StreamCounters {
   int64_t units, chunks, ints_at, bytes;
   StreamCounters(WorkspaceLayout& layout, int64_t units_, int64_t chunks_)
       : units(units_), chunks(chunks_) {
-    TORCH_CHECK(layout.bytes == 0, "groupnorm: stream counters must open the workspace");
+    GROUPNORM_CHECK(layout.bytes == 0, "groupnorm: stream counters must open the workspace");
     layout.add<unsigned long long>(1);
     ints_at = layout.add<int>(units * chunks + 2 * units);
     bytes = layout.bytes;
