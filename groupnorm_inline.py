@@ -67,7 +67,8 @@ _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in
 # epilogue switch (without the epilogue, with it).
 _HOST_UNITS = ["device.cpp", "errors.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp",
                "library.cpp", "bindings.cpp"]
-_KERNEL_UNITS = ["launch_forward_small.cu", "launch_forward_team.cu", "launch_forward_stream.cu",
+_KERNEL_UNITS = ["launch_forward_small.cu", "launch_forward_registers_many.cu",
+                 "launch_forward_team.cu", "launch_forward_stream.cu",
                  "launch_forward_stream_channels_last.cu", "launch_backward.cu"]
 # 16-bit dtypes first: their units take the longest (_write_sources)
 _UNIT_DTYPES = {"half": "c10::Half", "bfloat16": "c10::BFloat16", "float": "float",

@@ -5,6 +5,7 @@
 #include "device.cpp"
 #include "errors.cpp"
 #include "launch_backward.cu"
+#include "launch_forward_registers_many.cu"
 #include "launch_forward_small.cu"
 #include "launch_forward_stream.cu"
 #include "launch_forward_stream_channels_last.cu"

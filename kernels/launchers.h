@@ -88,8 +88,9 @@ struct BackwardArgs {
 // the epilogue (epilogue.cuh).
 template <typename scalar_t, bool kFused>
 const void* team_kernel(bool channels_last, int vec, Store store);
-template <typename scalar_t, bool kFused>
-const void* registers_kernel(int vec, int items, Store store);
+// kItems: the vectors a thread holds (RegistersConfig::items)
+template <typename scalar_t, int kItems, bool kFused>
+const void* registers_kernel(int vec, Store store);
 template <typename scalar_t, bool kFused>
 const void* stream_kernel(int vec, Store store);
 template <typename scalar_t, bool kFused>
@@ -106,7 +107,7 @@ void launch_add_per_channel(const Problem& p, const void* x, const void* add, vo
 template <typename scalar_t, bool kFused>
 void launch_reference(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream);
-template <typename scalar_t, bool kFused>
+template <typename scalar_t, int kItems, bool kFused>
 void launch_registers(const ForwardPlan& plan, const Problem& p, const ForwardArgs& a,
                       cudaStream_t stream);
 template <typename scalar_t, bool kFused>

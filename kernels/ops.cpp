@@ -23,6 +23,7 @@
 #include <cmath>
 
 #include "dispatch.h"
+#include "kernel_shapes.h"
 #include "launchers.h"
 #include "message.h"
 
@@ -344,7 +345,11 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
       case ForwardKernel::Reference:
         return launch_reference<scalar_t, kFused>(plan, c.problem, args, stream);
       case ForwardKernel::Registers:
-        return launch_registers<scalar_t, kFused>(plan, c.problem, args, stream);
+        return plan.registers.items == kRegistersFewItems
+                   ? launch_registers<scalar_t, kRegistersFewItems, kFused>(plan, c.problem, args,
+                                                                            stream)
+                   : launch_registers<scalar_t, kRegistersManyItems, kFused>(plan, c.problem,
+                                                                             args, stream);
       case ForwardKernel::Contiguous:
       case ForwardKernel::ChannelsLast:
         return launch_team<scalar_t, kFused>(plan, c.problem, args, workspace, stream);

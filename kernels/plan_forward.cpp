@@ -374,8 +374,8 @@ std::optional<ForwardPlan> registers(const Problem& p, bool forced, int64_t forc
   }
   if (ranks > 1) {
     const void* kernel = with_kernel_types(p, [&](auto tag, auto fused) {
-      return registers_kernel<typename decltype(tag)::type, fused>(v, kRegistersManyItems,
-                                                                   p.store);
+      return registers_kernel<typename decltype(tag)::type, kRegistersManyItems, fused>(v,
+                                                                                  p.store);
     });
     const bool schedulable = active_clusters(kernel, p.device, threads, int(ranks)) > 0;
     TORCH_CHECK(schedulable || !forced,
