@@ -1017,25 +1017,25 @@ def _cuda_forward(x, gamma, beta, groups, eps, epilogue=None, caller="groupnorm_
     return extension.forward(x, gamma, beta, groups, eps, "auto", 0, 0)[0]
 
 
-# group_norm's activation -> (codes, slope) for the fast path, for the
-# activations it takes: a name, a tuple of names, or ("leaky_relu", float)
+# group_norm's activation -> (codes, slope), or None for an empty chain, for
+# the fast path: names and tuples of names, whose keys compare exactly
 _FAST_ACTIVATIONS = {}
 
 
 def _fast_activation(activation):
-    """(codes, slope) of a valid activation of the kinds above, None for no
-    activation, or False where group_norm's checks must see it (other types:
-    True would hash as 1 does)."""
+    """(codes, slope) of a valid activation given as a name, a tuple of
+    names or ("leaky_relu", float); None for none (None or an empty tuple);
+    False where group_norm's checks must see it (other types: True would
+    hash as 1 does)."""
     if activation is None:
         return None
     kind = type(activation)
-    found = _FAST_ACTIVATIONS.get(activation, False) if kind is str else False
-    if found is not False:
-        return found
-    if not (kind is str or kind is tuple and (
-            all(type(item) is str for item in activation)
-            or len(activation) == 2 and activation[0] == "leaky_relu"
-            and type(activation[1]) is float)):
+    if (kind is tuple and len(activation) == 2 and activation[0] == "leaky_relu"
+            and type(activation[1]) is float):
+        # not cached: 0.0 and -0.0 are one key, and the slope's sign reaches y's zeros
+        slope = activation[1]
+        return ([_ACTIVATION_CODES["leaky_relu"]], slope) if math.isfinite(slope) else False
+    if not (kind is str or kind is tuple and all(type(item) is str for item in activation)):
         return False
     found = _FAST_ACTIVATIONS.get(activation, False)
     if found is False:
@@ -1044,7 +1044,8 @@ def _fast_activation(activation):
         except GroupNormError:
             return False  # group_norm raises it, naming the problem
         epilogue = _Epilogue(None, None, None, steps)
-        found = _FAST_ACTIVATIONS[activation] = (epilogue.codes(), epilogue.slope())
+        found = (epilogue.codes(), epilogue.slope()) if steps else None
+        _FAST_ACTIVATIONS[activation] = found
     return found
 
 

@@ -3365,14 +3365,23 @@ def test_fast_path_leaves_cpu_and_subclassed_inputs_to_group_norm():
 
 
 @pytest.mark.parametrize("activation, expected", [
-    (None, None), ("silu", ([0], 0.01)), ("relu", ([3], 0.01)),
+    (None, None), ((), None), ("silu", ([0], 0.01)), ("relu", ([3], 0.01)),
     (("tanh", "hardswish"), ([5, 7], 0.01)), (("leaky_relu", 0.25), ([4], 0.25)),
-    ("leaky", False), (["silu"], False), (("leaky_relu", 1), False),
-    (("leaky_relu", True), False), (("silu",) * 5, False), (True, False), (1, False)])
+    (("leaky_relu", "tanh"), ([4, 5], 0.01)), ("leaky", False), (["silu"], False),
+    (("leaky_relu", 1), False), (("leaky_relu", True), False),
+    (("leaky_relu", float("inf")), False), (("silu",) * 5, False), (True, False), (1, False)])
 def test_fast_activation_takes_valid_names_and_leaves_the_rest(activation, expected):
     # False: group_norm's checks see it (a bool hashes as 1 does, so only
-    # names, tuples of names and ("leaky_relu", float) are looked up)
+    # names, tuples of names and ("leaky_relu", float) are looked up); an
+    # empty chain is no activation, as group_norm takes it
     assert gn._fast_activation(activation) == expected
+    assert gn._fast_activation(activation) == expected  # cached as it was found
+
+
+def test_fast_activation_keeps_the_sign_of_a_zero_slope():
+    # 0.0 and -0.0 compare equal; the kernel's v * slope keeps the sign
+    assert math.copysign(1, gn._fast_activation(("leaky_relu", 0.0))[1]) == 1
+    assert math.copysign(1, gn._fast_activation(("leaky_relu", -0.0))[1]) == -1
 
 
 def test_dual_tensors_count_as_transformed():
