@@ -70,7 +70,7 @@ _HOST_UNITS = ["device.cpp", "errors.cpp", "plan_forward.cpp", "plan_backward.cp
 _KERNEL_UNITS = ["launch_forward_small.cu", "launch_forward_registers_many.cu",
                  "launch_forward_team.cu", "launch_forward_stream.cu",
                  "launch_forward_stream_channels_last.cu", "launch_backward.cu"]
-# 16-bit dtypes first: their units take the longest (_write_sources)
+# 16-bit dtypes first: their units take the longest (_kernel_units)
 _UNIT_DTYPES = {"half": "c10::Half", "bfloat16": "c10::BFloat16", "float": "float",
                 "double": "double"}
 # Everything but the Python module as one translation unit, and the
@@ -1057,8 +1057,7 @@ def _fast_forward(input, groups, weight, bias, eps, activation=None):
     tensor with a loaded extension; torch's rules apply (autocast, mixed
     dtypes, torch.func, forward-mode AD); an input torch refuses that the
     C++ would take (a single value per channel, an empty one); or any
-    argument the C++ refuses, so that group_norm raises its error. Its
-    checks cost a layer call about as much as the kernel's launch."""
+    argument the C++ refuses, so that group_norm raises its error."""
     if (torch.compiler.is_compiling() or type(input) is not torch.Tensor or not input.is_cuda
             or type(groups) is not int or type(eps) is not float or _extension is None
             or input.layout is not torch.strided or torch.is_autocast_enabled("cuda")
