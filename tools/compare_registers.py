@@ -39,11 +39,23 @@ def report(path):
     return kernels
 
 
+def without_parameters(name):
+    """A demangled name less its trailing parameter list, whose parentheses
+    are matched from the end: template arguments such as `(Store)2` keep
+    theirs."""
+    depth = 0
+    for i in range(len(name) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(name[i], 0)
+        if depth == 0 and name[i] == "(":
+            return name[:i]
+    return name
+
+
 def readable(names):
     """Demangled names without parameter lists (c++filt), so that kernels
     moved between namespaces or files still pair up."""
     out = subprocess.run(["c++filt"], input="\n".join(names), capture_output=True, text=True).stdout
-    return [n.split("(")[0].replace("void ", "") for n in out.splitlines()]
+    return [without_parameters(n).replace("void ", "") for n in out.splitlines()]
 
 
 def main(before_path, after_path):
