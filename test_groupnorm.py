@@ -4400,6 +4400,37 @@ def test_gpu_add_prologue_equals_the_add_first(case):
 
 
 @cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout,kernel", [
+    ("contiguous", "reference"), ("contiguous", "contiguous"), ("contiguous", "registers"),
+    ("contiguous", "stream"), ("channels_last", "channels_last"),
+    ("channels_last", "registers"), ("channels_last", "stream")])
+def test_gpu_add_rounds_as_torch_at_the_edges(dtype, layout, kernel):
+    # 16-bit lanes are added two an instruction (rounded_sum): sums in the
+    # subnormal range, sums that overflow, exact zeros, large plus tiny, each
+    # group's values against torch's add first through the same kernel
+    tiny = 1e-5 if dtype == torch.float16 else 1e-38  # subnormal steps of each dtype
+    big = torch.finfo(dtype).max * 0.9
+    shape, groups = (2, 32, 6, 8), 8  # groups of 4 channels
+    x = torch.randn(shape, device="cuda") * tiny
+    add = torch.randn(shape[:2], device="cuda") * tiny  # group 0: subnormal sums
+    x[:, 4:8], add[:, 4:6], add[:, 6:8] = big, big / 6, -big  # group 1: inf, and zeros
+    x[:, 8:12] = torch.randn(2, 4, 6, 8, device="cuda")  # group 2: large plus tiny
+    x[:, 12:16] = torch.randn(2, 4, 6, 8, device="cuda") * 100
+    add[:, 12:16] = torch.randn(2, 4, device="cuda") * 0.01  # group 3: ties and carries
+    x = x.to(dtype)
+    add = add.to(dtype)
+    if layout == "channels_last":
+        x = x.to(memory_format=torch.channels_last)
+    w, _ = affine(shape[1], dtype, "cuda", "weight")  # no bias: y keeps tiny differences
+    ours = gn.groupnorm_cuda(x, w, None, groups, kernel=kernel, add=add, activation="silu")
+    first = gn.groupnorm_cuda(x + add[:, :, None, None], w, None, groups, kernel=kernel,
+                              activation="silu")
+    assert ours[:, 4:8].isnan().all() and not ours[:, 8:].isnan().any()
+    torch.testing.assert_close(ours, first, rtol=0, atol=0, equal_nan=True)
+
+
+@cuda
 @pytest.mark.parametrize("shape,groups,layout,kernel,team", [
     ((2, 64, 24, 20), 8, "channels_last", "stream", 0),
     ((300, 32, 4, 6), 8, "channels_last", "stream", 0),

@@ -8,7 +8,7 @@
 // (contiguous: vectors of one channel; channels-last: V channels of a row).
 #pragma once
 
-#include "vec.cuh"
+#include "epilogue.cuh"
 
 namespace groupnorm {
 
@@ -23,7 +23,6 @@ __global__ void __launch_bounds__(kAddThreads)
                            FastDivider per_index,  // by HxW / V (contiguous) or C / V
                            uint32_t cols,          // C / V (channels-last)
                            int64_t C, int blocks, bool channels_last) {
-  using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
   const int64_t n = blockIdx.x / blocks;
   const int64_t base = n * int64_t(vectors) * V;
@@ -31,20 +30,16 @@ __global__ void __launch_bounds__(kAddThreads)
   const uint32_t stride = uint32_t(blocks) * blockDim.x;
   for (uint32_t j = (blockIdx.x % blocks) * blockDim.x + threadIdx.x; j < vectors; j += stride) {
     const VecT v = load_vec<scalar_t, V>(x + base + int64_t(j) * V);
-    A a[V];
+    VecT a;
     if (channels_last) {
       const uint32_t c = (j - per_index.div(j) * cols) * V;  // j % cols, times V
-      const VecT w = load_vec<scalar_t, V>(add_n + c);
-#pragma unroll
-      for (int e = 0; e < V; ++e) a[e] = static_cast<A>(w.val[e]);
+      a = load_vec<scalar_t, V>(add_n + c);
     } else {
-      const A one = static_cast<A>(add_n[per_index.div(j)]);
+      const scalar_t one = add_n[per_index.div(j)];
 #pragma unroll
-      for (int e = 0; e < V; ++e) a[e] = one;
+      for (int e = 0; e < V; ++e) a.val[e] = one;
     }
-    VecT out;
-#pragma unroll
-    for (int e = 0; e < V; ++e) out.val[e] = static_cast<scalar_t>(static_cast<A>(v.val[e]) + a[e]);
+    const VecT out = rounded_sum(v, a);
     *reinterpret_cast<VecT*>(s + base + int64_t(j) * V) = out;
   }
 }

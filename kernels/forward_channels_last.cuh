@@ -84,10 +84,10 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     const auto value = [&](const VecT& v) {
       if constexpr (kFused) {
         if (ep.add != nullptr) {  // read again a row: nothing held across the sweeps
-          A a[V];
+          VecT a;
 #pragma unroll
-          for (int e = 0; e < V; ++e) a[e] = static_cast<A>(ep.add[n * ldc + c_unit + c0 + e]);
-          return pre_norm_lanes(v, a);
+          for (int e = 0; e < V; ++e) a.val[e] = ep.add[n * ldc + c_unit + c0 + e];
+          return rounded_sum(v, a);
         }
       }
       return v;
