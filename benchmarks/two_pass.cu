@@ -111,7 +111,7 @@ __device__ __forceinline__ int for_each_vector(const T* base, int64_t first, int
   }
   for (; k < end; k += step) {
     float f[kV<T>];
-    to_float<T>(load_plain(base + k * stride), f);
+    to_float<T>(kKeep ? load_keep(base + k * stride) : load_plain(base + k * stride), f);
     add(f);
     ++count;
   }
@@ -131,9 +131,14 @@ __device__ __forceinline__ Moments merge(Moments a, Moments b) {
   return {n, a.mean + d * wb, a.m2 + b.m2 + d * d * a.n * wb};
 }
 
-__device__ __forceinline__ Moments shfl_merge(Moments m, int mask_width) {
-  for (int o = mask_width / 2; o > 0; o /= 2) {
-    const unsigned mask = __activemask();
+// Merges the moments of aligned groups of `width` lanes. Every lane of the
+// block's warps calls it: the mask names the lanes the warp has (the last
+// warp of a block of 240 threads has 16), not those that arrived.
+__device__ __forceinline__ Moments shfl_merge(Moments m, int width) {
+  const unsigned lanes = min(32u, blockDim.x - (threadIdx.x & ~31u));
+  const unsigned mask = lanes == 32 ? 0xffffffffu : (1u << lanes) - 1;
+  __syncwarp(mask);
+  for (int o = width / 2; o > 0; o /= 2) {
     Moments other{__shfl_xor_sync(mask, m.n, o), __shfl_xor_sync(mask, m.mean, o),
                   __shfl_xor_sync(mask, m.m2, o)};
     m = merge(m, other);
