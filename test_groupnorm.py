@@ -4401,31 +4401,38 @@ def test_gpu_add_prologue_equals_the_add_first(case):
 
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("layout,kernel", [
-    ("contiguous", "reference"), ("contiguous", "contiguous"), ("contiguous", "registers"),
-    ("contiguous", "stream"), ("channels_last", "channels_last"),
-    ("channels_last", "registers"), ("channels_last", "stream")])
-def test_gpu_add_rounds_as_torch_at_the_edges(dtype, layout, kernel):
+@pytest.mark.parametrize("layout,kernel,shape,team", [
+    ("contiguous", "reference", (2, 32, 6, 8), 0), ("contiguous", "contiguous", (2, 32, 6, 8), 0),
+    ("contiguous", "contiguous", (1, 32, 200, 200), 1),  # part kept: the separate add
+    ("contiguous", "registers", (2, 32, 6, 8), 0), ("contiguous", "stream", (2, 32, 6, 8), 0),
+    ("channels_last", "channels_last", (2, 32, 6, 8), 0),
+    ("channels_last", "registers", (2, 32, 6, 8), 0),
+    ("channels_last", "stream", (2, 32, 6, 8), 0)])  # the separate add
+def test_gpu_add_rounds_as_torch_at_the_edges(dtype, layout, kernel, shape, team):
     # 16-bit lanes are added two an instruction (rounded_sum): sums in the
-    # subnormal range, sums that overflow, exact zeros, large plus tiny, each
-    # group's values against torch's add first through the same kernel
-    tiny = 1e-5 if dtype == torch.float16 else 1e-38  # subnormal steps of each dtype
+    # subnormal range, sums that overflow, large plus small, carries, exact
+    # zeros, each group against torch's add first through the same kernel
+    tiny = torch.finfo(dtype).tiny / 8  # a magnitude among each dtype's subnormals
     big = torch.finfo(dtype).max * 0.9
-    shape, groups = (2, 32, 6, 8), 8  # groups of 4 channels
+    groups, rest = 8, (shape[0], 4, *shape[2:])  # groups of 4 channels
     x = torch.randn(shape, device="cuda") * tiny
     add = torch.randn(shape[:2], device="cuda") * tiny  # group 0: subnormal sums
-    x[:, 4:8], add[:, 4:6], add[:, 6:8] = big, big / 6, -big  # group 1: inf, and zeros
-    x[:, 8:12] = torch.randn(2, 4, 6, 8, device="cuda")  # group 2: large plus tiny
-    x[:, 12:16] = torch.randn(2, 4, 6, 8, device="cuda") * 100
-    add[:, 12:16] = torch.randn(2, 4, device="cuda") * 0.01  # group 3: ties and carries
-    x = x.to(dtype)
-    add = add.to(dtype)
+    x[:, 4:8], add[:, 4:8] = big, big / 6  # group 1: inf
+    x[:, 8:12] = torch.randn(rest, device="cuda")  # group 2: x plus a subnormal
+    x[:, 12:16] = torch.randn(rest, device="cuda") * 100
+    add[:, 12:16] = torch.randn(shape[0], 4, device="cuda") * 0.01  # group 3: carries
+    x[:, 16:18], add[:, 16:18] = 3.0, -3.0  # group 4: exact zeros beside other values
+    x[:, 18:20] = torch.randn(shape[0], 2, *shape[2:], device="cuda")
+    add[:, 18:20] = 0.5
+    x, add = x.to(dtype), add.to(dtype)
     if layout == "channels_last":
         x = x.to(memory_format=torch.channels_last)
     w, _ = affine(shape[1], dtype, "cuda", "weight")  # no bias: y keeps tiny differences
-    ours = gn.groupnorm_cuda(x, w, None, groups, kernel=kernel, add=add, activation="silu")
+    force = {"team": team} if team else {}
+    ours = gn.groupnorm_cuda(x, w, None, groups, kernel=kernel, add=add, activation="silu",
+                             **force)
     first = gn.groupnorm_cuda(x + add[:, :, None, None], w, None, groups, kernel=kernel,
-                              activation="silu")
+                              activation="silu", **force)
     assert ours[:, 4:8].isnan().all() and not ours[:, 8:].isnan().any()
     torch.testing.assert_close(ours, first, rtol=0, atol=0, equal_nan=True)
 
