@@ -81,7 +81,7 @@ __device__ __forceinline__ scalar_t pre_norm(scalar_t x, int64_t nc,
 // to scalar_t. Half and bfloat16 lanes go two an instruction (HADD2), which
 // rounds the exact sum once: the same value, as float's 24 bits are at least
 // 2p + 2 for their p of 11 and 8 bits. The registers kernel keeps pre_norm:
-// there this form took 15 more registers.
+// there this form took 15-16 more registers.
 template <typename scalar_t, int V>
 __device__ __forceinline__ Vec<scalar_t, V> rounded_sum(const Vec<scalar_t, V>& x,
                                                         const Vec<scalar_t, V>& a) {
