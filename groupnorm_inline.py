@@ -1928,28 +1928,38 @@ def replace_groupnorm(model, *, strict=False, verbose=False, process_group=None)
 # torch.compile: torch's own GroupNorm calls rewritten to the operator
 # ---------------------------------------------------------------------------
 
+def _torch_group_norm(input, num_groups, weight=None, bias=None, eps=1e-05, cudnn_enabled=True):
+    """torch.group_norm's signature (a builtin, which inspect cannot read);
+    cudnn_enabled picks torch's kernel, so the rewrite ignores it."""
+
+
 def _rewrite_group_norms(graph, devices=("cuda",)):
-    """Replaces each F.group_norm call in a pre-grad FX graph (what Dynamo
-    traces of nn.GroupNorm and F.group_norm) whose input this module's
-    kernels serve exactly (a float tensor on `devices`, weight and bias None
-    or of its dtype and device, constant groups and eps) by the operator
-    <ns>::forward. Graphs under autocast are left as they are: there torch
-    computes GroupNorm in float32. Returns how many calls it replaced."""
+    """Replaces each F.group_norm or torch.group_norm call in a pre-grad FX
+    graph (what Dynamo traces of nn.GroupNorm and F.group_norm) whose input
+    this module's kernels serve exactly (a float tensor on `devices`, weight
+    and bias None or of its dtype and device, constant groups and eps) by
+    the operator <ns>::forward. Graphs under autocast are left as they are:
+    there torch computes GroupNorm in float32. Returns how many calls it
+    replaced."""
     import operator
 
     if any(node.op == "call_function" and "autocast" in str(node.target) for node in graph.nodes):
         return 0
-    signature = inspect.signature(F.group_norm)
+    # Dynamo records F.group_norm, or the torch.group_norm it calls once its
+    # trace rules were built while F.group_norm was patched
+    signatures = {F.group_norm: inspect.signature(F.group_norm),
+                  torch.group_norm: inspect.signature(_torch_group_norm)}
     replaced = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not F.group_norm:
+        if node.op != "call_function" or node.target not in signatures:
             continue
         try:
-            bound = signature.bind(*node.args, **node.kwargs)
+            bound = signatures[node.target].bind(*node.args, **node.kwargs)
         except TypeError:
             continue
         bound.apply_defaults()
-        x, groups, weight, bias, eps = (bound.arguments[k] for k in signature.parameters)
+        x, groups, weight, bias, eps = (bound.arguments[k]
+                                        for k in ("input", "num_groups", "weight", "bias", "eps"))
         value = x.meta.get("example_value") if isinstance(x, torch.fx.Node) else None
         if (not isinstance(value, torch.Tensor) or value.device.type not in devices
                 or value.dtype not in _FLOAT_DTYPES or value.dim() < 2

@@ -3867,6 +3867,22 @@ def test_compile_pass_rewrites_torch_group_norm_it_serves_exactly():
     assert gn._rewrite_group_norms(gm.graph) == 0
 
 
+def test_compile_pass_rewrites_the_torch_group_norm_dynamo_may_record():
+    # Dynamo traces into F.group_norm when its trace rules were built while
+    # F.group_norm was patched (a test's monkeypatch, a profiling wrapper);
+    # the graph then calls torch.group_norm, which the pass serves alike
+    x, w, b = torch.randn(1, 8, 5, 5), torch.randn(8), torch.randn(8)
+    gm = _dynamo_graph(lambda t, w, b: torch.group_norm(t, 2, w, b, 1e-3, True), x, w, b)
+    assert gn._rewrite_group_norms(gm.graph, devices=("cpu",)) == 1
+    (call,) = [n for n in gm.graph.nodes if n.target is gn._OPS.forward.default]
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert list(call.args) == [*inputs, 2, 1e-3]
+    assert torch.group_norm not in [n.target for n in gm.graph.nodes]
+    gm.graph.lint()
+    gm = _dynamo_graph(lambda t: torch.group_norm(t, num_groups=4), torch.randn(1, 8, 5, 5))
+    assert gn._rewrite_group_norms(gm.graph, devices=("cpu",)) == 1
+
+
 def _fused_calls(gm):
     return [n for n in gm.graph.nodes if n.op == "call_function"
             and n.target is gn._OPS.forward_fused.default]
