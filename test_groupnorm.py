@@ -4175,9 +4175,11 @@ def test_gpu_compile_fusion_runs_our_kernels_for_torchs_group_norm(dtype):
     finally:
         gn.disable_compile_fusion()
         torch._dynamo.reset()
-    names = [e.name for e in prof.events()]
-    assert any("groupnorm_forward" in n for n in names), names
-    assert any("groupnorm_backward" in n for n in names), names
+    # ours by namespace: the layout Inductor picks decides which kernel runs
+    launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [name for name in launched if "groupnorm::" in name]
+    assert any("backward" not in k for k in kernels), launched
+    assert any("groupnorm_backward" in k for k in kernels), launched
     # as close to float64 as torch's eager run in the dtype, give or take a
     # rounding at the largest value (the conv's sums round their own way)
     for name, ours, theirs, ref in zip(["output", "conv.weight", "conv.bias", "norm.weight", "norm.bias"],
@@ -4208,8 +4210,9 @@ def test_gpu_compile_fusion_fuses_the_activation_in_inference(dtype):
         finally:
             gn.disable_compile_fusion()
             torch._dynamo.reset()
-    kernels = [e.name for e in prof.events() if "groupnorm" in e.name]
-    assert kernels and all(", true, (groupnorm::Store)1>" in k for k in kernels), kernels
+    launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [name for name in launched if "groupnorm::" in name]
+    assert kernels and all(", true, (groupnorm::Store)1>" in k for k in kernels), launched
     slack = 4 * torch.finfo(dtype).eps * exact.abs().max().item()
     assert tools.max_error(out, exact) <= 2 * tools.max_error(eager, exact) + slack
 
