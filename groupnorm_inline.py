@@ -1621,7 +1621,11 @@ def _define_ops(ns):
         return None
     library = torch.library.Library(ns, "FRAGMENT")
     for name, schema in _SCHEMAS.items():
-        library.define(schema)
+        # any strides: the kernels take dense tensors in their layout (and
+        # copy others), and the fake functions give outputs the kernels'
+        # strides; so Inductor keeps the layout it chose (channels-last
+        # between convolutions) instead of copying around each call
+        library.define(schema, tags=(torch.Tag.flexible_layout,))
     torch.library.register_fake(f"{ns}::forward", _forward_fake, lib=library)
     torch.library.register_fake(f"{ns}::backward", _backward_fake, lib=library)
     torch.library.register_fake(f"{ns}::forward_fused", _forward_fused_fake, lib=library)
