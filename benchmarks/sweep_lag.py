@@ -17,7 +17,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench_groupnorm as bench  # noqa: E402
 import groupnorm_inline as gn  # noqa: E402
 
-CASES = [((8, 64, 512, 512), 8, torch.float32), ((16, 256, 16000), 16, torch.float32),
+CASES = [((112, 64, 512, 512), 8, torch.float32),  # KernelBench L1-35 itself
+         ((8, 64, 512, 512), 8, torch.float32), ((16, 256, 16000), 16, torch.float32),
          ((1, 128, 512, 512), 32, torch.bfloat16), ((2, 512, 16, 64, 64), 32, torch.bfloat16)]
 
 
@@ -36,6 +37,7 @@ def main():
         piece_bytes = plan["piece"] * plan["vec"] * x.element_size()
         print(f"{shape} G={groups} {dtype}: {plan}")
         lags = {"default": plan["lag"], "max(P,R)": max(pieces, resident),
+                "P+R/4": pieces + resident // 4, "max+R/2": max(pieces, resident) + resident // 2,
                 "P+R": pieces + resident, "P+2R": pieces + 2 * resident,
                 "P+L2/4": pieces + l2 // 4 // piece_bytes}
         for name, lag in lags.items():
