@@ -1937,6 +1937,16 @@ def _torch_group_norm(input, num_groups, weight=None, bias=None, eps=1e-05, cudn
     cudnn_enabled picks torch's kernel, so the rewrite ignores it."""
 
 
+_F_GROUP_NORM = F.group_norm  # as imported: a wrapper patched in later is not what graphs call
+
+
+@functools.cache
+def _group_norm_signatures():
+    """(function, its signature) for each GroupNorm call a graph may hold."""
+    return ((_F_GROUP_NORM, inspect.signature(_F_GROUP_NORM)),
+            (torch.group_norm, inspect.signature(_torch_group_norm)))
+
+
 def _rewrite_group_norms(graph, devices=("cuda",)):
     """Replaces each F.group_norm or torch.group_norm call in a pre-grad FX
     graph (what Dynamo traces of nn.GroupNorm and F.group_norm) whose input
@@ -1951,14 +1961,14 @@ def _rewrite_group_norms(graph, devices=("cuda",)):
         return 0
     # Dynamo records F.group_norm, or the torch.group_norm it calls once its
     # trace rules were built while F.group_norm was patched
-    signatures = {F.group_norm: inspect.signature(F.group_norm),
-                  torch.group_norm: inspect.signature(_torch_group_norm)}
     replaced = 0
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target not in signatures:
+        signature = next((signature for function, signature in _group_norm_signatures()
+                          if node.op == "call_function" and node.target is function), None)
+        if signature is None:
             continue
         try:
-            bound = signatures[node.target].bind(*node.args, **node.kwargs)
+            bound = signature.bind(*node.args, **node.kwargs)
         except TypeError:
             continue
         bound.apply_defaults()
