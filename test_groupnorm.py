@@ -3809,11 +3809,14 @@ def test_profile_models_train_mode_reports_both_variants_and_the_bound(tmp_path)
     path = tmp_path / "train.json"
     report = profile_models.main(["--tiny", "--mode", "train", "--models", "resnet50_gn",
                                   "--variants", "torch,ours", "--calls", "1", "--rounds", "1",
-                                  "--json", str(path)])
+                                  "--top", "0", "--json", str(path)])
     entry = report["models"]["resnet50_gn"]
     assert set(entry) == {"torch", "ours", "bound_without_groupnorm"}, entry
     for variant in ("torch", "ours"):
         assert entry[variant]["wall_unprofiled_ms"] > 0 and entry[variant]["kernel_ms"] > 0
+        # --top 0 lists every kernel: together they are the variant's kernel time
+        listed = sum(ms for _, ms in entry[variant]["top"])
+        assert listed == pytest.approx(entry[variant]["kernel_ms"], rel=1e-6), variant
     rest = entry["ours"]["kernel_ms"] - entry["ours"]["groupnorm_named_ms"]
     assert entry["bound_without_groupnorm"] == pytest.approx(entry["torch"]["kernel_ms"] / rest)
     assert json.loads(path.read_text())["mode"] == "train"

@@ -3,7 +3,7 @@ and against the compile pass: the kernels of a few calls under
 torch.profiler, summed per kernel.
 
     python3 benchmarks/profile_models.py [--models vae] [--mode compile] [--calls 5] [--rounds 3]
-                                         [--top 12] [--variants torch,ours,pass] [--json PATH]
+                                         [--top 12 (0: all)] [--variants torch,ours,pass] [--json PATH]
                                          [--tiny]
 
 --mode eager profiles models.py's eager forward (under torch.no_grad())
@@ -84,7 +84,7 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating rounds of --calls unprofiled calls per variant")
-    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--top", type=int, default=12, help="kernels listed a variant; 0: every one")
     parser.add_argument("--json")
     parser.add_argument("--variants", default="torch,ours,pass")
     parser.add_argument("--tiny", action="store_true")
@@ -134,7 +134,7 @@ def main(argv=None):
             if device.type == "cuda" and ours != (variant != "torch"):
                 raise RuntimeError(f"profile_models.py: the {variant} variant ran "
                                    f"{'some' if ours else 'none'} of groupnorm_inline's kernels")
-            top = totals.most_common(args.top)
+            top = totals.most_common(args.top or None)
             groupnorm_ms = sum(ms for k, ms in totals.items() if any(m in k for m in GROUPNORM_MARKS))
             entry[variant] = {"wall_ms": wall, "wall_unprofiled_ms": unprofiled,
                               "kernel_ms": busy, "kernels": launches,
