@@ -1963,8 +1963,9 @@ def _rewrite_group_norms(graph, devices=("cuda",)):
     # trace rules were built while F.group_norm was patched
     replaced = 0
     for node in list(graph.nodes):
-        signature = next((signature for function, signature in _group_norm_signatures()
-                          if node.op == "call_function" and node.target is function), None)
+        if node.op != "call_function":
+            continue
+        signature = next((s for f, s in _group_norm_signatures() if node.target is f), None)
         if signature is None:
             continue
         try:
