@@ -4471,11 +4471,10 @@ def test_gpu_add_rounds_as_torch_at_the_edges(dtype, layout, kernel, shape, team
     if layout == "channels_last":
         x = x.to(memory_format=torch.channels_last)
     w, _ = affine(shape[1], dtype, "cuda", "weight")  # no bias: y keeps tiny differences
-    force = {"team": team} if team else {}
-    ours = gn.groupnorm_cuda(x, w, None, groups, kernel=kernel, add=add, activation="silu",
-                             **force)
+    ours = gn.groupnorm_cuda(x, w, None, groups, kernel=kernel, team=team, add=add,
+                             activation="silu")
     first = gn.groupnorm_cuda(x + add[:, :, None, None], w, None, groups, kernel=kernel,
-                              activation="silu", **force)
+                              team=team, activation="silu")
     assert ours[:, 4:8].isnan().all() and not ours[:, 8:].isnan().any()
     torch.testing.assert_close(ours, first, rtol=0, atol=0, equal_nan=True)
 
