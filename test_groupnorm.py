@@ -2228,7 +2228,7 @@ FORCED = [  # (shape, groups, dtype, layout, kernel, team or lag)
     ((2, 12, 33, 35), 3, torch.float16, "contiguous", "stream", 0),  # single elements
     ((16, 64, 64, 64), 8, torch.float32, "contiguous", "stream", 0),  # more items than resident: once
     ((16, 24, 100, 99), 3, torch.bfloat16, "contiguous", "stream", 10**9),  # ragged pieces, once
-    ((2, 4, 1000, 1000), 1, torch.float32, "contiguous", "stream", 0),  # units > resident, ragged: each
+    ((2, 4, 1000, 1000), 1, torch.float32, "contiguous", "stream", 0),  # units > resident, ragged: each (once on a 60 MiB L2)
     # the stream kernel over channels-last rows: a sample is the unit
     ((2, 64, 45, 45), 8, torch.float16, "channels_last", "stream", 0),  # ragged last piece
     ((1, 128, 100, 100), 64, torch.float32, "channels_last", "stream", 0),  # 4 blocks, 79 pieces: 2 chunks, last ragged
@@ -2487,7 +2487,15 @@ def test_gpu_plan_chooses_stream_above_l2_size():
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     x = make_input((8, 64, 512, 512), torch.float32, "contiguous", "cuda", shift=1000.0)
     assert x.numel() * 4 >= l2
-    assert gn.plan(x, 8)["kernel"] == "stream", gn.plan(x, 8)
+    plan = gn.plan(x, 8)
+    assert plan["kernel"] == "stream", plan
+    # its lag: the rows' one-front lag on an L2 of 60 MiB or more, else the
+    # shorter one (DESIGN, "The lag, contiguous")
+    pieces, grid = plan["pieces"], plan["grid"]
+    l2_pieces = l2 // 4 // (plan["piece"] * plan["vec"] * 4)
+    lag = pieces + max(grid, l2_pieces) if l2 >= 60 << 20 else max(pieces, grid) + grid // 4
+    assert plan["lag"] == lag and plan["merge"] == ("each" if 4 * (lag - pieces) < 3 * grid
+                                                    else "once"), plan
     check_against_reference(x, 8, *affine(64, x.dtype, "cuda", "both"))
     check_saved_statistics(x, 8)
     small = torch.empty(2, 64, 128, 128, device="cuda")

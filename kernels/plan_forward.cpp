@@ -44,6 +44,9 @@ constexpr int64_t kEachMergeShare = 8;
 // channels-last lag spans when one CTA merges each unit.
 constexpr int64_t kLagL2Share = 4;
 constexpr int kRowsFrontsOnce = 3;
+// Contiguous stream lag on cards with at least this much L2 (the H200's
+// 60 MiB): the rows' one-front lag, not the shorter one measured on 50 MiB.
+constexpr int64_t kLongLagMinL2Bytes = int64_t(60) << 20;
 // Registers kernel in clusters: CTA size while 8 of them hold the group.
 // Channels-last groups the team kernel serves faster than the registers
 // kernel (team_over_registers): rows under kRegistersMinRowBytes on
@@ -210,7 +213,8 @@ std::optional<ForwardPlan> team_channels_last(const Problem& p, bool forced, int
 // The grid and lag of a stream plan whose units have `pieces` pieces of
 // `piece_bytes`: the lag covers at least one unit (deadlock-free order) and
 // the items in flight; beyond that a longer lag leaves L2 less likely to hold
-// a piece at its second read. `fronts`: channels-last only.
+// a piece at its second read. `fronts`: the channels-last lag's multiple
+// of the longer lag's span; 1 for contiguous input.
 void plan_stream(ForwardPlan& plan, const Problem& p, const void* kernel, int64_t pieces,
                  int64_t piece_bytes, int fronts, int64_t forced_lag) {
   StreamConfig& s = plan.stream;
@@ -222,8 +226,9 @@ void plan_stream(ForwardPlan& plan, const Problem& p, const void* kernel, int64_
   plan.grid = std::min({resident, 2 * total, kMaxGrid});
   const int64_t l2_pieces = int64_t(p.dev->l2_bytes) / kLagL2Share / piece_bytes;
   const bool rows = plan.kernel == ForwardKernel::StreamChannelsLast;
+  const bool long_lag = rows || int64_t(p.dev->l2_bytes) >= kLongLagMinL2Bytes;
   const int64_t lag = forced_lag > 0 ? forced_lag
-                      : rows         ? pieces + fronts * std::max(resident, l2_pieces)
+                      : long_lag     ? pieces + fronts * std::max(resident, l2_pieces)
                                      : std::max(pieces, resident) + resident / 4;
   s.lag = std::min(total, std::max(pieces, lag));  // lag >= pieces: deadlock-free
   // Units between the normalising and the statistics front, and one more.
