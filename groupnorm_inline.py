@@ -2058,12 +2058,12 @@ def _fixed_size(sizes, expected):
 
 def _epilogue_operand(node, value, per_channel):
     """Whether a graph value can be an epilogue tensor of the GroupNorm
-    output `value`: of its dtype and device, needing no gradient, and of
-    shape (N, C, 1, ...) (per_channel: scale, shift) or value's (residual).
-    Other shapes broadcast differently, so they stay graph ops."""
+    output `value`: of its dtype and device and of shape (N, C, 1, ...)
+    (per_channel: scale, shift) or value's (residual). Other shapes
+    broadcast differently, so they stay graph ops."""
     tensor = node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
     if (not isinstance(tensor, torch.Tensor) or tensor.dtype != value.dtype
-            or tensor.device != value.device or tensor.requires_grad):
+            or tensor.device != value.device):
         return False
     expected = (tuple(value.shape[:2]) + (1,) * (value.dim() - 2) if per_channel
                 else tuple(value.shape))
@@ -2188,10 +2188,10 @@ def _fuse_epilogues(graph):
     _MAX_ACTIVATIONS activations (one leaky_relu slope a chain),
     `+ residual` of the output's shape, after the activations or right
     before them (ResNet blocks). One pass over the tensor instead of one
-    more per step. Only where no gradient
-    flows (inference, torch.no_grad()): in training the fused backward
-    recomputes what it did not save, and its cost against the unfused
-    sequence is not measured yet. Returns how many calls it fused."""
+    more per step, in inference and in training alike: the fused
+    operator's backward gives every operand's gradient, recomputing the
+    pre-activation values from x and the statistics. Returns how many
+    calls it fused."""
     import operator
 
     fused = 0
@@ -2204,7 +2204,7 @@ def _fuse_epilogues(graph):
         if len(users) != 1 or users[0].target is not operator.getitem or users[0].args[1] != 0:
             continue
         value = users[0].meta.get("example_value")
-        if not isinstance(value, torch.Tensor) or value.requires_grad:
+        if not isinstance(value, torch.Tensor):
             continue
         last, steps = users[0], []
         factor = scale = shift = residual = None
@@ -2271,9 +2271,9 @@ def enable_compile_fusion():
     from now on (the default backend) run torch's own nn.GroupNorm and
     F.group_norm on CUDA tensors as this module's operator, forward and
     backward, without changing the model. (Our GroupNorm and group_norm
-    reach the operator anyway.) In graphs without gradients (inference), an
-    (N, C) add right before a GroupNorm and the scale-shift, activations and
-    residual add right after it run inside its kernel (_fuse_epilogues). A
+    reach the operator anyway.) An (N, C) add right before a GroupNorm and
+    the scale-shift, activations and residual add right after it run inside
+    its kernels, forward and backward (_fuse_epilogues). A
     CustomGraphPass with a uuid(), so Inductor's FX
     graph cache keeps working. Returns nothing; see disable_compile_fusion."""
     global _compile_pass

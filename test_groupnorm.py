@@ -3855,6 +3855,16 @@ def test_models_benchmark_pass_variant_compiles_with_the_pass_and_removes_it():
     assert result["variants"]["pass"]["max_error"] < 1e-5
     callables[("pass", "compile")]()
     assert config.pre_grad_custom_pass is None
+    # a compiled training step: two steps timed as its compile, the pass
+    # installed for them alone, the parameters left without gradients
+    result, callables = {"variants": {}}, {}
+    models.add_pass_variant(result, callables, model, lambda m, t: m(t), (x,), reference,
+                            ["compile-train"])
+    assert set(callables) == {("pass", "compile-train")}
+    assert result["variants"]["pass"]["compile-train_first_calls_s"] > 0
+    callables[("pass", "compile-train")]()
+    assert config.pre_grad_custom_pass is None and not model.training
+    assert all(p.grad is None for p in model.parameters())
     torch._dynamo.reset()
 
 
@@ -3929,11 +3939,11 @@ def test_compile_pass_fuses_the_activation_after_group_norm_without_gradients():
     targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert F.silu not in targets and gn._OPS.forward.default not in targets
     gm.graph.lint()
-    # where gradients flow (training) the fused forward, which has no
-    # backward yet, is not used
+    # where gradients flow (training) too: the fused operator's backward
+    # gives every operand's gradient
     gm = _dynamo_graph(block, x)
     assert gn._rewrite_group_norms(gm.graph, devices=("cpu",)) == 1
-    assert gn._fuse_epilogues(gm.graph) == 0
+    assert gn._fuse_epilogues(gm.graph) == 1
 
 
 def used_twice(t):
@@ -4017,39 +4027,66 @@ def _epilogue_graph_case(case):
     return cases[case]
 
 
-def compiled_with_the_pass(fn, inputs):
-    """fn compiled without gradients by a backend that runs the pass's two
-    rewrites (CPU kernels registered for the operators), its output checked
-    against the eager one; returns the fused calls the pass made."""
-    calls = []
+def _fusing_backend(calls):
+    """A Dynamo backend that runs the pass's two rewrites on CPU graphs and
+    appends the fused calls it made to `calls`."""
 
-    def fusing_backend(gm, example_inputs):
+    def backend(gm, example_inputs):
         gn._rewrite_group_norms(gm.graph, devices=("cpu",))
         gn._fuse_epilogues(gm.graph)
         gm.graph.lint()
         gm.recompile()
         calls.extend(_fused_calls(gm))
         return gm.forward
+    return backend
 
+
+def compiled_with_the_pass(fn, inputs):
+    """fn compiled without gradients by a backend that runs the pass's two
+    rewrites (CPU kernels registered for the operators), its output checked
+    against the eager one; returns the fused calls the pass made."""
+    calls = []
     torch._dynamo.reset()
     with torch.no_grad():
-        compiled = torch.compile(fn, backend=fusing_backend, fullgraph=True)(*inputs)
+        compiled = torch.compile(fn, backend=_fusing_backend(calls), fullgraph=True)(*inputs)
         torch.testing.assert_close(compiled, fn(*inputs), rtol=1e-5, atol=1e-5)
     return calls
 
 
+def trained_with_the_pass(fn, inputs):
+    """fn compiled with gradients for every input by a backend that runs the
+    pass's two rewrites (CPU kernels registered for the operators), its
+    output and the inputs' gradients checked against eager ones; returns
+    the fused calls the pass made."""
+    calls = []
+    torch._dynamo.reset()
+    compiled_inputs = [t.detach().requires_grad_() for t in inputs]
+    eager_inputs = [t.detach().requires_grad_() for t in inputs]
+    out = torch.compile(fn, backend=_fusing_backend(calls), fullgraph=True)(*compiled_inputs)
+    expected = fn(*eager_inputs)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    dy = torch.randn_like(expected)
+    grads = torch.autograd.grad(out, compiled_inputs, dy, allow_unused=True)
+    expected_grads = torch.autograd.grad(expected, eager_inputs, dy, allow_unused=True)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=1e-4, atol=1e-4)
+    return calls
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("case", ["scale, shift, silu, residual", "shift alone", "factor used twice",
                                   "time embedding added before", "sum used twice",
                                   "per channel, not per sample", "scale of another dtype",
                                   "residual that broadcasts"])
-def test_compile_pass_fuses_scale_shift_and_residual(operators_on_the_cpu, case):
+def test_compile_pass_fuses_scale_shift_and_residual(operators_on_the_cpu, case, training):
     # the epilogue's tensors, and an add before the norm, folded into the
     # fused call where they are exactly (N, C, 1, ...) or the output's
-    # shape, in its dtype; the
-    # compiled function (CPU kernels registered for the operators) equals
-    # the eager one
+    # shape, in its dtype; the compiled function (CPU kernels registered
+    # for the operators) equals the eager one, and in training every
+    # input's gradient too (the fused call's backward gives the input,
+    # scale, shift, residual and add gradients)
     fn, inputs, operands, codes = _epilogue_graph_case(case)
-    calls = compiled_with_the_pass(fn, inputs)
+    calls = (trained_with_the_pass if training else compiled_with_the_pass)(fn, inputs)
     if operands is None:
         assert not calls
         return
@@ -4097,6 +4134,25 @@ def test_compile_pass_folds_a_convolutions_bias_into_the_add(operators_on_the_cp
     assert (len(call.args) > 10 and call.args[10] is not None) == (folded or "time" in case)
     # the compiled block, CPU kernels registered for the operators, equals the eager one
     assert len(compiled_with_the_pass(block, (x, emb))) == 1
+
+
+@pytest.mark.parametrize("case", ["bias", "bias and time embedding", "convolution used twice"])
+def test_compile_pass_folds_a_convolutions_bias_in_training(operators_on_the_cpu, case):
+    # with the parameters requiring grad the convolution's bias gets its
+    # gradient through the fused call's add, as it would from the convolution
+    block = _ConvNormBlock(temb="time" in case, shortcut=case == "convolution used twice")
+    eager_block = copy.deepcopy(block)
+    x, emb = torch.randn(2, 4, 6, 5), torch.randn(2, 8)
+    calls = trained_with_the_pass(block, (x, emb))  # the output and x's and emb's gradients
+    assert len(calls) == 1 and (len(calls[0].args) > 10) == (case != "convolution used twice")
+    torch._dynamo.reset()
+    dy = torch.randn(2, 8, 6, 5)
+    compiled = torch.compile(block, backend=_fusing_backend([]), fullgraph=True)
+    for module, call in ((block, compiled), (eager_block, eager_block)):
+        module.zero_grad()
+        call(x, emb).backward(dy)
+    for (name, ours), theirs in zip(block.named_parameters(), eager_block.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-4, msg=name)
 
 
 def test_compile_pass_leaves_a_convolutions_bias_without_an_epilogue():

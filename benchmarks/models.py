@@ -1,7 +1,8 @@
 """Whole models with torch's GroupNorm (as shipped) and with ours.
 
     python benchmarks/models.py [--models unet,vae,resnet50_gn,efficientnet_b3_gn,segresnet]
-                                [--modes eager,compile,reduce-overhead,train] [--rounds 5]
+                                [--modes eager,compile,reduce-overhead,train,compile-train]
+                                [--rounds 5]
                                 [--json PATH] [--markdown PATH] [--tiny]
 
 Real architectures with random weights and the configurations people run
@@ -19,8 +20,8 @@ gn.enable_compile_fusion(), the one line that needs no model change): the
 largest error against a float64 copy of the same weights, relative to the
 output's largest magnitude; forward time in eager mode, compiled (default,
 and mode="reduce-overhead": CUDA graphs) and a training step (forward, a
-mean-square loss, backward) in eager mode; the first compiled call's wall
-time. Times are medians of CUDA-event timings; the variants alternate,
+mean-square loss, backward) in eager mode and compiled ("compile-train");
+the first compiled calls' wall time. Times are medians of CUDA-event timings; the variants alternate,
 round by round, in one process on one card. --tiny builds the same model
 families at toy sizes on the CPU in float32: a smoke test of the harness
 (test_groupnorm.py runs it), not a measurement.
@@ -40,7 +41,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import groupnorm_inline as gn  # noqa: E402
 
-MODES = ("eager", "compile", "reduce-overhead", "train")
+MODES = ("eager", "compile", "reduce-overhead", "train", "compile-train")
+COMPILED_MODES = ("compile", "reduce-overhead", "compile-train")
 
 
 def sd_unet(tiny):
@@ -213,7 +215,9 @@ def run_model(name, modes, rounds, device, tiny):
                 callables[(v, mode)], _ = compiled_variant(entry, m, call, args, mode)
         if "train" in modes:
             callables[(v, "train")] = lambda m=m: training_step(m, call, args)
-    compiled_modes = [mode for mode in ("compile", "reduce-overhead") if mode in modes]
+        if "compile-train" in modes:
+            callables[(v, "compile-train")] = compiled_training_variant(entry, m, call, args)
+    compiled_modes = [mode for mode in COMPILED_MODES if mode in modes]
     if compiled_modes:
         # its own copy of torch's model, as each variant has
         add_pass_variant(result, callables, copy.deepcopy(variants["torch"]), call, args,
@@ -292,6 +296,25 @@ def compiled_variant(entry, model, call, args, mode):
     return (lambda: torch.no_grad()(call)(compiled, *args)), out
 
 
+def compiled_training_variant(entry, model, call, args):
+    """model compiled for a training step (training_step through the
+    compiled forward; the backward graph comes with it), its first two steps
+    timed into entry; returns the step to time."""
+    torch._dynamo.reset()
+    compiled = torch.compile(own_frame(model))
+
+    def step():
+        training_step(model, lambda _, *inputs: call(compiled, *inputs), args)
+
+    start = time.perf_counter()
+    step()
+    step()
+    if args[0].is_cuda:
+        torch.cuda.synchronize()
+    entry["compile-train_first_calls_s"] = round(time.perf_counter() - start, 2)
+    return step
+
+
 def ran_our_kernels(fn):
     """Whether one call of fn launched any of this module's CUDA kernels."""
     from torch.profiler import ProfilerActivity, profile
@@ -318,6 +341,9 @@ def add_pass_variant(result, callables, model, call, args, reference, modes):
     entry = result["variants"]["pass"] = {}
     fused_call = with_compile_fusion(call)
     for mode in modes:
+        if mode == "compile-train":
+            callables[("pass", mode)] = compiled_training_variant(entry, model, fused_call, args)
+            continue
         callables[("pass", mode)], out = compiled_variant(entry, model, fused_call, args, mode)
         entry.setdefault("max_error", relative_error(out, reference))
 
@@ -357,7 +383,7 @@ def main(argv=None):
     modes = [m for m in args.modes.split(",") if m]
     if device.type == "cpu":
         modes = [m for m in modes if m != "reduce-overhead"]  # CUDA graphs
-    if any(m in modes for m in ("compile", "reduce-overhead")):
+    if any(m in modes for m in COMPILED_MODES):
         warm_inductor(device)
     results = [run_model(name, modes, args.rounds, device, args.tiny)
                for name in args.models.split(",") if name]
