@@ -161,11 +161,14 @@ def event_ms(fn, device):
 
 
 def training_step(model, call, args):
+    """One forward and backward in training mode, gradients dropped after;
+    returns the forward's output (detached)."""
     model.train()
     out = call(model, *args)
     out.float().square().mean().backward()
     model.zero_grad(set_to_none=True)
     model.eval()
+    return out.detach()
 
 
 def prepare(name, tiny, device):
@@ -216,7 +219,7 @@ def run_model(name, modes, rounds, device, tiny):
         if "train" in modes:
             callables[(v, "train")] = lambda m=m: training_step(m, call, args)
         if "compile-train" in modes:
-            callables[(v, "compile-train")] = compiled_training_variant(entry, m, call, args)
+            callables[(v, "compile-train")], _ = compiled_training_variant(entry, m, call, args)
     compiled_modes = [mode for mode in COMPILED_MODES if mode in modes]
     if compiled_modes:
         # its own copy of torch's model, as each variant has
@@ -299,20 +302,20 @@ def compiled_variant(entry, model, call, args, mode):
 def compiled_training_variant(entry, model, call, args):
     """model compiled for a training step (training_step through the
     compiled forward; the backward graph comes with it), its first two steps
-    timed into entry; returns the step to time."""
+    timed into entry; returns the step to time and the first step's output."""
     torch._dynamo.reset()
     compiled = torch.compile(own_frame(model))
 
     def step():
-        training_step(model, lambda _, *inputs: call(compiled, *inputs), args)
+        return training_step(model, lambda _, *inputs: call(compiled, *inputs), args)
 
     start = time.perf_counter()
-    step()
+    out = step()
     step()
     if args[0].is_cuda:
         torch.cuda.synchronize()
     entry["compile-train_first_calls_s"] = round(time.perf_counter() - start, 2)
-    return step
+    return step, out
 
 
 def ran_our_kernels(fn):
@@ -341,10 +344,10 @@ def add_pass_variant(result, callables, model, call, args, reference, modes):
     entry = result["variants"]["pass"] = {}
     fused_call = with_compile_fusion(call)
     for mode in modes:
-        if mode == "compile-train":
-            callables[("pass", mode)] = compiled_training_variant(entry, model, fused_call, args)
-            continue
-        callables[("pass", mode)], out = compiled_variant(entry, model, fused_call, args, mode)
+        variant = (compiled_training_variant(entry, model, fused_call, args) if mode == "compile-train"
+                   else compiled_variant(entry, model, fused_call, args, mode))
+        callables[("pass", mode)], out = variant
+        # the first compiled mode's output: a training graph's forward where that is all
         entry.setdefault("max_error", relative_error(out, reference))
 
 
