@@ -3856,12 +3856,14 @@ def test_models_benchmark_pass_variant_compiles_with_the_pass_and_removes_it():
     callables[("pass", "compile")]()
     assert config.pre_grad_custom_pass is None
     # a compiled training step: two steps timed as its compile, the pass
-    # installed for them alone, the parameters left without gradients
+    # installed for them alone, the parameters left without gradients; the
+    # error is the training forward's output
     result, callables = {"variants": {}}, {}
     models.add_pass_variant(result, callables, model, lambda m, t: m(t), (x,), reference,
                             ["compile-train"])
     assert set(callables) == {("pass", "compile-train")}
     assert result["variants"]["pass"]["compile-train_first_calls_s"] > 0
+    assert result["variants"]["pass"]["max_error"] < 1e-5
     callables[("pass", "compile-train")]()
     assert config.pre_grad_custom_pass is None and not model.training
     assert all(p.grad is None for p in model.parameters())
@@ -4305,12 +4307,63 @@ def test_gpu_compile_fusion_fuses_the_activation_in_inference(dtype):
     assert tools.max_error(out, exact) <= 2 * tools.max_error(eager, exact) + slack
 
 
+def fused_and_exact(fn, args, training):
+    """fn's output compiled with the compile pass, eager and in float64 (then
+    with `training` each input's gradient too, for one fixed dy: every
+    tensor a list's next item), and the CUDA kernels the compiled call
+    launched."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def run(call, inputs):
+        inputs = [t.detach().requires_grad_(training) for t in inputs]
+        with torch.set_grad_enabled(training):
+            out = call(*inputs)
+        if not training:
+            return [out]
+        dy = torch.randn(out.shape, generator=torch.Generator("cuda").manual_seed(1),
+                         device="cuda", dtype=torch.float64)
+        return [out, *torch.autograd.grad(out, inputs, dy.to(out.dtype))]
+
+    exact = run(fn, [a.double() for a in args])
+    eager = run(fn, args)
+    gn.enable_compile_fusion()
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True)
+        run(compiled, args)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fused = run(compiled, args)
+            torch.cuda.synchronize()
+    finally:
+        gn.disable_compile_fusion()
+        torch._dynamo.reset()
+    launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return fused, eager, exact, launched
+
+
+def assert_fused_as_close_as_eager(fused, eager, exact, launched, dtype, training):
+    """Each output and gradient of the compiled call as close to float64 as
+    eager torch's in the dtype (give or take a rounding at the largest
+    value); our forward ran (and with training our backward) and no kernel
+    of torch's GroupNorm or a SiLU of Inductor's."""
+    for i, (ours, theirs, ref) in enumerate(zip(fused, eager, exact)):
+        slack = 4 * torch.finfo(dtype).eps * ref.abs().max().item()
+        assert tools.max_error(ours, ref) <= 2 * tools.max_error(theirs, ref) + slack, i
+    kernels = [name for name in launched if "groupnorm::groupnorm_" in name]
+    assert any("backward" not in k for k in kernels), launched
+    assert any("groupnorm_backward" in k for k in kernels) == training, launched
+    others = [name for name in launched if name not in kernels]
+    assert not any("group_norm" in name or "silu" in name for name in others), launched
+
+
 @cuda
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_compile_fusion_folds_scale_shift_and_residual(dtype):
+def test_gpu_compile_fusion_folds_scale_shift_and_residual(dtype, training):
     # diffusers' scale-shift ResNet block with a residual: the graph's
-    # (N, C, 1, 1) scale and shift reach the operator as they are, and the
-    # compiled block is as close to float64 as eager torch is
+    # (N, C, 1, 1) scale and shift reach the fused operator as they are, and
+    # the compiled block is as close to float64 as eager torch is; in
+    # training every input's gradient too, from the fused backward
     torch.manual_seed(0)
     x = torch.randn(2, 64, 16, 16, device="cuda", dtype=dtype)
     temb, r = torch.randn(2, 128, device="cuda", dtype=dtype), torch.randn_like(x)
@@ -4320,46 +4373,35 @@ def test_gpu_compile_fusion_folds_scale_shift_and_residual(dtype):
         scale, shift = torch.chunk(temb[:, :, None, None], 2, dim=1)
         return F.silu(F.group_norm(t, 32, w, b) * (1 + scale) + shift) + r
 
-    args = (x, temb, r, w, b)
-    with torch.no_grad():
-        exact = block(*(a.double() for a in args))
-        eager = block(*args)
-        gn.enable_compile_fusion()
-        try:
-            torch._dynamo.reset()
-            out = torch.compile(block, fullgraph=True)(*args)
-        finally:
-            gn.disable_compile_fusion()
-            torch._dynamo.reset()
-    slack = 4 * torch.finfo(dtype).eps * exact.abs().max().item()
-    assert tools.max_error(out, exact) <= 2 * tools.max_error(eager, exact) + slack
+    fused, eager, exact, launched = fused_and_exact(block, (x, temb, r, w, b), training)
+    assert_fused_as_close_as_eager(fused, eager, exact, launched, dtype, training)
 
 
 @cuda
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
 @pytest.mark.parametrize("temb", [False, True])
 @pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
-def test_gpu_compile_fusion_folds_a_convolutions_bias(temb, layout):
+def test_gpu_compile_fusion_folds_a_convolutions_bias(temb, layout, training):
     # the convolution's bias reaches the fused call as its add (with the
-    # time embedding's): the compiled block is as close to float64 as eager
+    # time embedding's): the compiled block is as close to float64 as eager,
+    # in training the gradients of the input, the embedding and every
+    # parameter too (the bias's through the fused backward's add)
     torch.manual_seed(0)
     block = _ConvNormBlock(temb=temb).cuda().to(torch.bfloat16)
     x = torch.randn(2, 4, 24, 20, device="cuda", dtype=torch.bfloat16)
     if layout == "channels_last":
         block = block.to(memory_format=torch.channels_last)
         x = x.to(memory_format=torch.channels_last)
-    emb = torch.randn(2, 8, device="cuda", dtype=torch.bfloat16)
-    with torch.no_grad():
-        exact = copy.deepcopy(block).double()(x.double(), emb.double())
-        eager = block(x, emb)
-        gn.enable_compile_fusion()
-        try:
-            torch._dynamo.reset()
-            out = torch.compile(block, fullgraph=True)(x, emb)
-        finally:
-            gn.disable_compile_fusion()
-            torch._dynamo.reset()
-    slack = 4 * torch.finfo(torch.bfloat16).eps * exact.abs().max().item()
-    assert tools.max_error(out, exact) <= 2 * tools.max_error(eager, exact) + slack
+    # the embedding an input where the block uses it (each input gets a gradient)
+    embs = (torch.randn(2, 8, device="cuda", dtype=torch.bfloat16),) if temb else ()
+    params = dict(block.named_parameters())
+
+    def call(x, *rest):  # the parameters as inputs: their gradients come back
+        emb, values = (rest[0], rest[1:]) if temb else (None, rest)
+        return torch.func.functional_call(block, dict(zip(params, values)), (x, emb))
+
+    fused, eager, exact, launched = fused_and_exact(call, (x, *embs, *params.values()), training)
+    assert_fused_as_close_as_eager(fused, eager, exact, launched, torch.bfloat16, training)
 
 
 # ---------------------------------------------------------------------------
