@@ -18,11 +18,13 @@ Per model and variant ("torch": as shipped; "ours": replace_groupnorm;
 "pass", compiled modes only: as shipped, compiled with
 gn.enable_compile_fusion(), the one line that needs no model change): the
 largest error against a float64 copy of the same weights, relative to the
-output's largest magnitude; forward time in eager mode, compiled (default,
-and mode="reduce-overhead": CUDA graphs) and a training step (forward, a
-mean-square loss, backward) in eager mode and compiled ("compile-train");
-the first compiled calls' wall time. Times are medians of CUDA-event timings; the variants alternate,
-round by round, in one process on one card. --tiny builds the same model
+output's largest magnitude (the pass's from its first compiled mode: with
+compile-train alone, a training forward's output); forward time in eager
+mode, compiled (default, and mode="reduce-overhead": CUDA graphs) and a
+training step (forward, a mean-square loss, backward) in eager mode and
+compiled ("compile-train"); the first compiled calls' wall time. Times are
+medians of CUDA-event timings; the variants alternate, round by round, in
+one process on one card. --tiny builds the same model
 families at toy sizes on the CPU in float32: a smoke test of the harness
 (test_groupnorm.py runs it), not a measurement.
 """
@@ -347,7 +349,7 @@ def add_pass_variant(result, callables, model, call, args, reference, modes):
         variant = (compiled_training_variant(entry, model, fused_call, args) if mode == "compile-train"
                    else compiled_variant(entry, model, fused_call, args, mode))
         callables[("pass", mode)], out = variant
-        # the first compiled mode's output: a training graph's forward where that is all
+        # the first compiled mode's output: compile-train's forward when it is the only one
         entry.setdefault("max_error", relative_error(out, reference))
 
 
