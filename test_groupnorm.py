@@ -2505,7 +2505,7 @@ def test_gpu_plan_chooses_stream_above_l2_size():
     assert plan["kernel"] == "stream", plan
     # its lag: the rows' one-front lag on an L2 of 60 MiB or more, else the
     # shorter one (DESIGN, "The lag, contiguous")
-    pieces, grid = plan["pieces"], plan["grid"]
+    pieces, grid = plan["pieces"], plan["grid"]  # grid = R: 2 · pieces in all exceed it
     l2_pieces = l2 // 4 // (plan["piece"] * plan["vec"] * 4)
     lag = pieces + max(grid, l2_pieces) if l2 >= 60 << 20 else max(pieces, grid) + grid // 4
     assert plan["lag"] == lag and plan["merge"] == ("each" if 4 * (lag - pieces) < 3 * grid
@@ -3872,8 +3872,8 @@ def test_models_benchmark_pass_variant_compiles_with_the_pass_and_removes_it():
     callables[("pass", "compile")]()
     assert config.pre_grad_custom_pass is None
     # a compiled training step: two steps timed as its compile, the pass
-    # installed for them alone, the parameters left without gradients; the
-    # error is the training forward's output
+    # removed after them, the parameters left without gradients; the error
+    # is the training forward's output
     result, callables = {"variants": {}}, {}
     models.add_pass_variant(result, callables, model, lambda m, t: m(t), (x,), reference,
                             ["compile-train"])
