@@ -25,7 +25,15 @@ rounds:
 - module_train, module_train_silu: a training step's share, our GroupNorm
   module's forward (without, then with its fused SiLU) and backward on an
   input that requires grad, as timm's layers call it; torch_module_train,
-  torch_module_train_silu: nn.GroupNorm's (and F.silu's) the same way.
+  torch_module_train_silu: nn.GroupNorm's (and F.silu's) the same way;
+- fused_operator_silu, fused_operator_all: <ns>::forward_fused as the
+  compile pass calls it, with SiLU alone (ten arguments) and with an
+  (N, C) add, scale, shift, SiLU and a residual (twelve);
+- compiled_torch, compiled_torch_silu, compiled_pass_silu: torch.compile
+  of F.group_norm (Inductor's own kernels), of it followed by F.silu, and
+  of the latter with the compile pass (our fused operator): what one
+  GroupNorm costs the host of a compiled model each way, Dynamo's guards
+  and the wrapper included.
 """
 
 import argparse
@@ -40,6 +48,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import groupnorm_inline as gn  # noqa: E402
+from kernel_times import ran_our_kernels  # noqa: E402
 
 
 def contenders(x, w, b, groups):
@@ -62,6 +71,27 @@ def contenders(x, w, b, groups):
     def train_step(module, activation=lambda t: t):
         # gradients accumulate into x_grad and the parameters, alike for all
         return lambda: activation(module(x_grad)).backward(dy)
+
+    fused = gn._OPS.forward_fused.default
+    silu = [gn._ACTIVATION_CODES["silu"]]
+    per_channel = torch.randn(x.shape[0], C, *(1,) * (x.dim() - 2), device=x.device)
+    residual = torch.randn_like(x)
+
+    def torch_silu(t):
+        return F.silu(F.group_norm(t, groups, w, b))
+
+    compiled_torch = torch.compile(lambda t: F.group_norm(t, groups, w, b), fullgraph=True)
+    compiled_torch_silu = torch.compile(torch_silu, fullgraph=True)
+    compiled_torch_silu(x)
+    gn.enable_compile_fusion()  # for this compile alone (compiled on the first call)
+    try:
+        compiled_pass_silu = torch.compile(lambda t: torch_silu(t), fullgraph=True)
+        compiled_pass_silu(x)
+    finally:
+        gn.disable_compile_fusion()
+    for fn, ours_expected in ((compiled_torch_silu, False), (compiled_pass_silu, True)):
+        if ran_our_kernels(lambda: fn(x)) != ours_expected:
+            raise RuntimeError("host_overhead.py: a compiled contender ran the wrong kernels")
     return {
         "extension": lambda: extension.forward(x, w, b, groups, 1e-5, "auto", 0, 0),
         "operator": lambda: op(x, w, b, groups, 1e-5),
@@ -76,6 +106,12 @@ def contenders(x, w, b, groups):
         "module_train_silu": train_step(ours_silu),
         "torch_module_train": train_step(theirs),
         "torch_module_train_silu": train_step(theirs, F.silu),
+        "fused_operator_silu": lambda: fused(x, w, b, groups, 1e-5, None, None, None, silu, 0.01),
+        "fused_operator_all": lambda: fused(x, w, b, groups, 1e-5, per_channel, per_channel,
+                                            residual, silu, 0.01, per_channel, False),
+        "compiled_torch": lambda: compiled_torch(x),
+        "compiled_torch_silu": lambda: compiled_torch_silu(x),
+        "compiled_pass_silu": lambda: compiled_pass_silu(x),
     }
 
 

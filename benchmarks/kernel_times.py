@@ -6,6 +6,7 @@ over 300 calls of the extension's backward, the median per kernel.
 
 CHECKOUT (default: this one) is the tree whose module is imported, so two
 checkouts are compared by running this once for each, on the same card.
+Its profiler helpers serve the other benchmarks too.
 """
 import collections
 import os
@@ -24,6 +25,14 @@ def kernel_name(event_name):
     """'void groupnorm::groupnorm_backward_dx_contiguous_kernel<float, 4>(...)'
     -> 'groupnorm_backward_dx_contiguous_kernel'."""
     return event_name.split("<")[0].split("(")[0].split("::")[-1]
+
+
+def ran_our_kernels(fn):
+    """Whether one call of fn launched any of this module's CUDA kernels."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return any("groupnorm::" in e.name for e in prof.events())
 
 
 def profile_kernels(fn, calls, warmup=50):

@@ -42,6 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import groupnorm_inline as gn  # noqa: E402
+from kernel_times import ran_our_kernels  # noqa: E402
 
 MODES = ("eager", "compile", "reduce-overhead", "train", "compile-train")
 COMPILED_MODES = ("compile", "reduce-overhead", "compile-train")
@@ -318,16 +319,6 @@ def compiled_training_variant(entry, model, call, args):
         torch.cuda.synchronize()
     entry["compile-train_first_calls_s"] = round(time.perf_counter() - start, 2)
     return step, out
-
-
-def ran_our_kernels(fn):
-    """Whether one call of fn launched any of this module's CUDA kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return any("groupnorm::" in e.name for e in prof.events())
 
 
 def check_variants(callables):
