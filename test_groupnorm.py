@@ -3841,9 +3841,27 @@ def test_profile_models_train_mode_reports_both_variants_and_the_bound(tmp_path)
         # --top 0 lists every kernel: together they are the variant's kernel time
         listed = sum(ms for _, ms in entry[variant]["top"])
         assert listed == pytest.approx(entry[variant]["kernel_ms"], rel=1e-6), variant
+        # the host's side: no launches on the CPU
+        assert entry[variant]["host"]["launches"] == 0, entry[variant]["host"]
     rest = entry["ours"]["kernel_ms"] - entry["ours"]["groupnorm_named_ms"]
     assert entry["bound_without_groupnorm"] == pytest.approx(entry["torch"]["kernel_ms"] / rest)
     assert json.loads(path.read_text())["mode"] == "train"
+
+
+def test_profile_models_host_table_counts_each_operator_call_once(operators_on_the_cpu):
+    # our operator's calls per profiled call, with their CPU time (CPU
+    # kernels registered for the operators), and no launches
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    import profile_models
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(2, 4, 3, 3)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            gn._OPS.forward.default(x, None, None, 2, 1e-5)
+    host = profile_models.host_table(prof, 3, gn._NAMESPACE)
+    assert host["operator_calls"] == pytest.approx(1) and host["operator_us"] > 0, host
+    assert host["launches"] == 0 and host["memsets"] == 0, host
 
 
 def test_models_benchmark_pass_variant_compiles_with_the_pass_and_removes_it():

@@ -19,8 +19,10 @@ with enable_compile_fusion()). Per variant: wall time per call (the median
 of --rounds alternating rounds unprofiled, then profiled), the sum of
 its GPU kernels' times per call (their gap is host time the GPU waited
 for), the kernels launched per call, and the kernels that take the most
-time, GroupNorm's own marked. --tiny: toy sizes on the CPU, the profile of
-CPU operators (a smoke test of the script).
+time, GroupNorm's own marked; and the host's side (host_table): launch
+and memset calls and our operators' calls, with their CPU time under the
+profiler. --tiny: toy sizes on the CPU, the profile of CPU operators (a
+smoke test of the script).
 """
 
 import argparse
@@ -74,6 +76,37 @@ def kernel_table(prof, device, calls):
         totals[e.name] += t / 1e3 / calls
         count += 1
     return sum(totals.values()), count / calls, totals
+
+
+# the runtime and driver calls that launch kernels (a CUDA graph's replay
+# among them) and that set memory, as the profiler names their CPU events
+LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
+                "cudaGraphLaunch")
+MEMSET_CALLS = ("cudaMemsetAsync", "cuMemsetD8Async", "cuMemsetD32Async")
+
+
+def host_table(prof, calls, namespace):
+    """The host's side of a profile, per call: launches and memsets (how
+    many, the CPU µs of those runtime calls) and calls of our operators
+    (how many, their CPU µs with all they run). Profiled host times run
+    slower than unprofiled ones: compare variants, not wall times."""
+    table = {"launches": 0, "launch_us": 0.0, "memsets": 0, "memset_us": 0.0,
+             "operator_calls": 0, "operator_us": 0.0}
+    ours = namespace + "::"
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if e.name in LAUNCH_CALLS:
+            count, us = "launches", "launch_us"
+        elif e.name in MEMSET_CALLS:
+            count, us = "memsets", "memset_us"
+        elif e.name.startswith(ours) and not (e.cpu_parent and e.cpu_parent.name.startswith(ours)):
+            count, us = "operator_calls", "operator_us"  # outermost: the autograd kernel calls it again
+        else:
+            continue
+        table[count] += 1 / calls
+        table[us] += e.cpu_time_total / calls
+    return table
 
 
 def main(argv=None):
@@ -136,12 +169,17 @@ def main(argv=None):
                                    f"{'some' if ours else 'none'} of groupnorm_inline's kernels")
             top = totals.most_common(args.top or None)
             groupnorm_ms = sum(ms for k, ms in totals.items() if any(m in k for m in GROUPNORM_MARKS))
+            host = host_table(prof, args.calls, models.gn._NAMESPACE)
             entry[variant] = {"wall_ms": wall, "wall_unprofiled_ms": unprofiled,
                               "kernel_ms": busy, "kernels": launches,
-                              "groupnorm_named_ms": groupnorm_ms, "top": top}
+                              "groupnorm_named_ms": groupnorm_ms, "host": host, "top": top}
             print(f"{name} {variant}: wall {unprofiled:.2f} ms a call ({wall:.2f} profiled), "
                   f"kernels {busy:.2f} ms in {launches:.0f} launches, named GroupNorm "
                   f"{groupnorm_ms:.2f} ms", flush=True)
+            print(f"    host, profiled: {host['launches']:.0f} launch calls "
+                  f"({host['launch_us']:.0f} us), {host['memsets']:.0f} memsets "
+                  f"({host['memset_us']:.0f} us), {host['operator_calls']:.0f} calls of "
+                  f"our operators ({host['operator_us']:.0f} us with what they run)")
             for kernel, ms in top:
                 mark = " *" if any(m in kernel for m in GROUPNORM_MARKS) else ""
                 print(f"    {ms:8.3f} ms  {kernel[:110]}{mark}")
