@@ -82,7 +82,16 @@ def kernel_table(prof, device, calls):
 # among them) and that set memory, as the profiler names their CPU events
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx",
                 "cudaGraphLaunch")
-MEMSET_CALLS = ("cudaMemsetAsync", "cuMemsetD8Async", "cuMemsetD32Async")
+MEMSET_CALLS = ("cudaMemsetAsync",)
+
+
+def inside_ours(event, prefix):
+    """Whether event or one of its CPU ancestors is a call of our operators."""
+    while event is not None:
+        if event.name.startswith(prefix):
+            return True
+        event = event.cpu_parent
+    return False
 
 
 def host_table(prof, calls, namespace):
@@ -100,7 +109,7 @@ def host_table(prof, calls, namespace):
             count, us = "launches", "launch_us"
         elif e.name in MEMSET_CALLS:
             count, us = "memsets", "memset_us"
-        elif e.name.startswith(ours) and not (e.cpu_parent and e.cpu_parent.name.startswith(ours)):
+        elif e.name.startswith(ours) and not inside_ours(e.cpu_parent, ours):
             count, us = "operator_calls", "operator_us"  # outermost: the autograd kernel calls it again
         else:
             continue
