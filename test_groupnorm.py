@@ -4265,6 +4265,27 @@ def test_enable_compile_fusion_installs_one_pass_with_a_uuid(monkeypatch):
     assert config.pre_grad_custom_pass is None and gn._compile_pass is None
 
 
+def run_with_the_pass(fn, call, warm=True):
+    """call(torch.compile(fn, fullgraph=True)) with the compile pass
+    installed and Dynamo reset around it: once to compile (unless not
+    warm), then under the profiler. Returns its result and the names of the
+    CUDA kernels it launched."""
+    from torch.profiler import ProfilerActivity, profile
+    gn.enable_compile_fusion()
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True)
+        if warm:
+            call(compiled)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            result = call(compiled)
+            torch.cuda.synchronize()
+    finally:
+        gn.disable_compile_fusion()
+        torch._dynamo.reset()
+    return result, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def conv_norm_silu(dtype):
     """A conv -> torch's GroupNorm -> SiLU block on the GPU and an input."""
     model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.GroupNorm(8, 32), nn.SiLU())
@@ -4274,7 +4295,6 @@ def conv_norm_silu(dtype):
 @cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_compile_fusion_runs_our_kernels_for_torchs_group_norm(dtype):
-    from torch.profiler import ProfilerActivity, profile
     model, x = conv_norm_silu(dtype)
 
     def output_and_grads(module, t):
@@ -4285,18 +4305,9 @@ def test_gpu_compile_fusion_runs_our_kernels_for_torchs_group_norm(dtype):
 
     exact = output_and_grads(copy.deepcopy(model).double(), x.double())  # the reference
     eager = output_and_grads(model, x)
-    gn.enable_compile_fusion()
-    try:
-        torch._dynamo.reset()
-        compiled = torch.compile(model, fullgraph=True)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fused = output_and_grads(compiled, x)
-            torch.cuda.synchronize()
-    finally:
-        gn.disable_compile_fusion()
-        torch._dynamo.reset()
+    fused, launched = run_with_the_pass(model, lambda compiled: output_and_grads(compiled, x),
+                                        warm=False)
     # ours by namespace: the layout Inductor picks decides which kernel runs
-    launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernels = [name for name in launched if "groupnorm::groupnorm_" in name]
     assert any("backward" not in k for k in kernels), launched
     assert any("groupnorm_backward" in k for k in kernels), launched
@@ -4318,23 +4329,11 @@ def test_gpu_compile_fusion_fuses_the_activation_in_inference(dtype):
     # SiLU copy or, at vector widths without copies, its Any one (the last
     # template argument, Store::SiLU or Store::Any), and no other kernel
     # computes a SiLU
-    from torch.profiler import ProfilerActivity, profile
     model, x = conv_norm_silu(dtype)
     with torch.no_grad():
         exact = copy.deepcopy(model).double()(x.double())
         eager = model(x)
-        gn.enable_compile_fusion()
-        try:
-            torch._dynamo.reset()
-            compiled = torch.compile(model, fullgraph=True)
-            compiled(x)
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                out = compiled(x)
-                torch.cuda.synchronize()
-        finally:
-            gn.disable_compile_fusion()
-            torch._dynamo.reset()
-    launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        out, launched = run_with_the_pass(model, lambda compiled: compiled(x))
     kernels = [name for name in launched if "groupnorm::" in name]
     fused = (", true, (groupnorm::Store)1>", ", true, (groupnorm::Store)3>")
     assert kernels and all(any(copy in k for copy in fused) for k in kernels), launched
@@ -4348,8 +4347,6 @@ def fused_and_exact(fn, args, training):
     with `training` each input's gradient too, for one fixed dy: every
     tensor a list's next item), and the CUDA kernels the compiled call
     launched."""
-    from torch.profiler import ProfilerActivity, profile
-
     def run(call, inputs):
         inputs = [t.detach().requires_grad_(training) for t in inputs]
         with torch.set_grad_enabled(training):
@@ -4362,18 +4359,7 @@ def fused_and_exact(fn, args, training):
 
     exact = run(fn, [a.double() for a in args])
     eager = run(fn, args)
-    gn.enable_compile_fusion()
-    try:
-        torch._dynamo.reset()
-        compiled = torch.compile(fn, fullgraph=True)
-        run(compiled, args)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            fused = run(compiled, args)
-            torch.cuda.synchronize()
-    finally:
-        gn.disable_compile_fusion()
-        torch._dynamo.reset()
-    launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    fused, launched = run_with_the_pass(fn, lambda compiled: run(compiled, args))
     return fused, eager, exact, launched
 
 
