@@ -3864,6 +3864,47 @@ def test_profile_models_host_table_counts_each_operator_call_once(operators_on_t
     assert host["launches"] == 0 and host["memsets"] == 0, host
 
 
+def test_profile_rows_splits_ncu_kernels_at_the_markers():
+    # profile_rows.py's parsing of Nsight Compute's raw CSV (base units):
+    # each call's kernels summed between its two markers (the inputs'
+    # kernels outside them left out), the units row skipped
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    import profile_rows
+
+    names = list(profile_rows.METRICS.values())
+    header = ["ID", "Process ID", "Kernel Name"] + names
+    units = ["", "", ""] + ["ns" if n.startswith("gpu__time") else "" for n in names]
+
+    def kernel(i, name, ns, read, write):
+        values = {"gpu__time_duration.sum": ns, "dram__bytes_read.sum": read,
+                  "dram__bytes_write.sum": write, "launch__registers_per_thread": 32,
+                  "launch__grid_size": 132, "launch__block_size": 256}
+        return [str(i), "1", name] + [f"{values.get(n, 50):,}" for n in names]
+
+    spin = "cuda::<unnamed>::spin_kernel(long)"
+    table = [header, units, kernel(0, "normal_kernel(float *)", 5000, 0, 4000),
+             kernel(1, spin, 1000, 0, 0),
+             kernel(2, "elementwise_kernel<128, 4>(at::TensorIteratorBase &)", 2000, 4000, 4000),
+             kernel(3, spin, 1000, 0, 0), kernel(4, spin, 1000, 0, 0),
+             kernel(5, "groupnorm_stream_kernel<float, 4>(const float *)", 3000, 6000, 4000),
+             kernel(6, "groupnorm_finish(float *)", 1000, 0, 0), kernel(7, spin, 1000, 0, 0),
+             kernel(8, "normal_kernel(float *)", 5000, 0, 4000)]
+    text = "==PROF== Connected\n" + "\n".join(
+        ",".join(f'"{v}"' for v in line) for line in table) + "\nROWS []\n"
+    kernels = profile_rows.kernels_from_csv(text)
+    assert len(kernels) == 9 and kernels[2]["name"].startswith("elementwise_kernel<128, 4>")
+    order = [{"row": "r", "contender": c, "elements": 1000, "bytes": 4000,
+              "plan": {"kernel": "stream"}} for c in ("copy", "ours")]
+    clone, ours = profile_rows.attribute(order, kernels)
+    assert clone["us"] == 2.0 and clone["dram_over_bytes"] == 2.0
+    assert ours["us"] == 4.0 and ours["dram_mb"] == pytest.approx(0.01)
+    assert ours["kernels"] == ["groupnorm_stream_kernel<float, 4>", "groupnorm_finish"]
+    assert ours["registers"] == 32 and ours["grid"] == 132  # the longest kernel's
+    assert "| r | stream | 2.0 | 4.0 | 2.00 |" in profile_rows.markdown([clone, ours])
+    with pytest.raises(SystemExit, match="markers"):
+        profile_rows.attribute(order + order, kernels)
+
+
 def test_models_benchmark_pass_variant_compiles_with_the_pass_and_removes_it():
     # the "pass" variant's harness on a toy block (CPU: the pass serves CUDA
     # graphs only, so here it runs and changes nothing)
