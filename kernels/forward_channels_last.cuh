@@ -31,6 +31,37 @@ constexpr int kRowUnroll = 4;  // independent row loads in flight per thread
 __device__ __forceinline__ float reciprocal(float n) { return __frcp_rn(n); }
 __device__ __forceinline__ double reciprocal(double n) { return __drcp_rn(n); }
 
+// Issues the asynchronous copies of a slice's first `rows` rows (C elements
+// each, ldc apart; shared memory holds them C apart) 16 bytes a copy, spread
+// over every thread of the block, when rows are whole 16-byte pieces that fit
+// the block: then returns true, and a barrier must come between
+// copy_to_shared_wait() and the reads. Else issues nothing and returns false.
+// Against each thread's own V-element column: a half or a quarter as many
+// copies, from every warp, with no per-row multiply.
+template <typename scalar_t>
+__device__ __forceinline__ bool copy_rows_whole_block(const scalar_t* first, int rows, int C,
+                                                      int ldc, scalar_t* on_chip) {
+  constexpr int kPiece = 16;
+  const int row_bytes = C * int(sizeof(scalar_t));
+  const int pieces = row_bytes / kPiece;  // a row's
+  const bool aligned = row_bytes % kPiece == 0 && (ldc * sizeof(scalar_t)) % kPiece == 0 &&
+                       reinterpret_cast<uintptr_t>(first) % kPiece == 0;
+  if (!aligned || pieces == 0 || pieces > int(blockDim.x)) return false;
+  const int rows_at_once = blockDim.x / pieces;
+  const int tid = threadIdx.x;
+  if (tid < rows_at_once * pieces) {
+    const int r0 = tid / pieces;
+    const uint4* from = reinterpret_cast<const uint4*>(first + int64_t(r0) * ldc) + tid % pieces;
+    uint4* to = reinterpret_cast<uint4*>(on_chip + r0 * C) + tid % pieces;
+    const int64_t from_step = int64_t(rows_at_once) * ldc * sizeof(scalar_t) / kPiece;
+    const int to_step = rows_at_once * pieces;
+    for (int r = r0; r < rows; r += rows_at_once, from += from_step, to += to_step) {
+      copy_to_shared_async(to, from);
+    }
+  }
+  return true;
+}
+
 template <typename scalar_t, int V, bool kFused, Store kStore>
 __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     groupnorm_forward_channels_last_kernel(
@@ -114,12 +145,18 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
       run_mean[e] = 0;
       run_m2[e] = 0;
     }
-    if (sweeps) {
+    // Every thread of the block copies 16 bytes at a time where the rows
+    // allow it (a barrier then comes before the reads); else each sweeping
+    // thread copies its own column, and reads back only what it copied.
+    const bool whole_block_copies = copy_rows_whole_block(first, nkept, C, ldc, on_chip);
+    if (!whole_block_copies && sweeps) {
       const scalar_t* src = xs + int64_t(row_lane) * ldc;
       for (int r = row_lane; r < nkept; r += rows_per_step, src += int64_t(rows_per_step) * ldc) {
         copy_to_shared_async(reinterpret_cast<VecT*>(ks + r * C),
                              reinterpret_cast<const VecT*>(src));
       }
+    }
+    if (sweeps) {
       load_each<kRowUnroll, scalar_t, V>(
           nkept + row_lane, rows, rows_per_step, ldc,
           [&](int64_t, const VecT& v) {
@@ -135,12 +172,16 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
           xs);
 #pragma unroll
       for (int e = 0; e < V; ++e) sum[e] = A(run_n) * (run_mean[e] - shift[e]);
-      copy_to_shared_wait();
-      for (int r = row_lane; r < nkept; r += rows_per_step) {
-        VecT v = load_vec<scalar_t, V>(ks + r * C);
+    }
+    copy_to_shared_wait();
+    if (whole_block_copies) __syncthreads();
+    if (sweeps) {
+      scalar_t* kp = ks + row_lane * C;  // row r's vector; r * C stays far below 2^31
+      for (int r = row_lane; r < nkept; r += rows_per_step, kp += rows_per_step * C) {
+        VecT v = load_vec<scalar_t, V>(kp);
         if (has_add(ep)) {  // s kept in place of x: read back by this thread only
           v = value(v);
-          *reinterpret_cast<VecT*>(ks + r * C) = v;
+          *reinterpret_cast<VecT*>(kp) = v;
         }
 #pragma unroll
         for (int e = 0; e < V; ++e) sum[e] += static_cast<A>(v.val[e]) - shift[e];
@@ -164,8 +205,9 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
         const A d = run_mean[e] - m[e];
         m2[e] = run_m2[e] + A(run_n) * d * d;
       }
-      for (int r = row_lane; r < nkept; r += rows_per_step) {
-        const VecT v = load_vec<scalar_t, V>(ks + r * C);
+      const scalar_t* kp = ks + row_lane * C;
+      for (int r = row_lane; r < nkept; r += rows_per_step, kp += rows_per_step * C) {
+        const VecT v = load_vec<scalar_t, V>(kp);
 #pragma unroll
         for (int e = 0; e < V; ++e) {
           const A d = static_cast<A>(v.val[e]) - m[e];
@@ -193,16 +235,21 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
         mu[e] = sh.mean[group[e]];
         f[e] = channel_affine(n, c_unit + c0 + e, sh.rstd[group[e]], gamma, beta, ep);
       }
-      const auto normalise_at = [&](int64_t r, const VecT& v) {
+      const auto normalise_to = [&](int64_t at, const VecT& v) {  // y + at
         A out[V];
 #pragma unroll
         for (int e = 0; e < V; ++e) out[e] = affine_value(v.val[e], mu[e], f[e]);
-        store_output<scalar_t, V, kFused, true, true, kStore>(y, y_at + r * ldc, out, ep);
+        store_output<scalar_t, V, kFused, true, true, kStore>(y, at, out, ep);
       };
-      load_each<kRowUnroll, scalar_t, V>(nkept + row_lane, rows, rows_per_step, ldc, normalise_at,
-                                         xs);
-      for (int r = row_lane; r < nkept; r += rows_per_step) {
-        normalise_at(r, load_vec<scalar_t, V>(ks + r * C));
+      load_each<kRowUnroll, scalar_t, V>(
+          nkept + row_lane, rows, rows_per_step, ldc,
+          [&](int64_t r, const VecT& v) { normalise_to(y_at + r * ldc, v); }, xs);
+      // the kept rows: their offsets in y stepped, not multiplied, a row at a time
+      const scalar_t* kp = ks + row_lane * C;
+      int64_t at = y_at + int64_t(row_lane) * ldc;
+      for (int r = row_lane; r < nkept;
+           r += rows_per_step, kp += rows_per_step * C, at += int64_t(rows_per_step) * ldc) {
+        normalise_to(at, load_vec<scalar_t, V>(kp));
       }
     }
     __syncthreads();  // the kept rows and shared statistics are reused
