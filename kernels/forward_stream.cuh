@@ -207,15 +207,25 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
       const A rs = unit_rstd;
       const int64_t n = unit / G;
       const int64_t c0 = (unit - n * G) * D;
+      // A piece inside one channel (HxW a multiple of the piece, the large
+      // rows) takes that channel's scale and shift once, not each vector; not
+      // in the fused kernels, at their register bound (they spilled more).
+      const int64_t c_first = channel_at(begin * V, c0, HxW, fast_div, hxw_div);
+      const bool one_channel =
+          !kFused && c_first == channel_at((begin + count) * V - 1, c0, HxW, fast_div, hxw_div);
+      const ChannelAffine<A> f_first = channel_affine(n, c_first, rs, gamma, beta, ep);
 #pragma unroll
       for (int u = 0; u < kItems; ++u) {
         const int64_t i = int64_t(u) * kStreamThreads + tid;
         if (i < count) {
           const int64_t within = (begin + i) * V;
-          const int64_t c = channel_at(within, c0, HxW, fast_div, hxw_div);
+          ChannelAffine<A> f = f_first;
+          if (!one_channel) {
+            f = channel_affine(n, channel_at(within, c0, HxW, fast_div, hxw_div), rs, gamma, beta,
+                               ep);
+          }
           normalise_store<scalar_t, V, false, kStore>(y, unit * L + within, as_vec<VecT>(v[u]), mu,
-                                                      channel_affine(n, c, rs, gamma, beta, ep),
-                                                      ep);
+                                                      f, ep);
         }
       }
     }
