@@ -188,8 +188,9 @@ def main():
     if args.json:
         import datetime
         import torch
+        command = [os.path.basename(a) if a in (args.json, args.csv) else a for a in sys.argv]
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "date": datetime.date.today().isoformat(), "command": " ".join(sys.argv)}
+                "date": datetime.date.today().isoformat(), "command": " ".join(command)}
         with open(args.json, "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=1)
 
