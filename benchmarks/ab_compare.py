@@ -5,6 +5,7 @@ alternate for --rounds rounds; per row, the median over rounds of each.
 
     git worktree add /tmp/before BASE_COMMIT
     python benchmarks/ab_compare.py /tmp/before . [--rounds 3] [--json OUT] [--limit 1.02]
+        [--rows "SD VAE decoder,audio 1-D"] [--forward-only]
 
 Rows faster than --graph-below ms by do_bench are timed again as CUDA-graph
 replays (graph_ms): do_bench's times of calls that short come in steps of
@@ -53,8 +54,9 @@ def graph_ms(fn, calls=100, replays=30):
     return statistics.median(times)
 
 
-def worker(root, out, graph_below):
-    """Times every suite case with `root`'s module; writes {case: ms}."""
+def worker(root, out, graph_below, rows, forward_only):
+    """Times the suite's cases (those named in `rows`, or all) with `root`'s
+    module; writes {case: ms}."""
     sys.path.insert(0, os.path.abspath(root))
     import groupnorm_inline as gn  # the checkout's module
     import torch
@@ -66,6 +68,8 @@ def worker(root, out, graph_below):
     budget = torch.cuda.get_device_properties(0).total_memory // 4
     times = {}
     for name, shape, groups, dtype, layout in SUITE:
+        if rows and name not in rows:
+            continue
         inputs = make_inputs(shape, dtype, layout, budget // 3)
         C = shape[1]
         w = torch.randn(C, device="cuda", dtype=dtype)
@@ -75,6 +79,10 @@ def worker(root, out, graph_below):
         times[key + " forward"] = median_ms(forward)
         if times[key + " forward"] < graph_below:
             times[key + " forward"] = graph_ms(forward)
+        if forward_only:
+            del inputs
+            torch.cuda.empty_cache()
+            continue
         dy = torch.randn_like(inputs[0])
         saved = []
         for t in inputs:
@@ -103,17 +111,22 @@ def main(argv=None):
     parser.add_argument("--limit", type=float, default=1.02, help="allowed after / before")
     parser.add_argument("--graph-below", type=float, default=0.05,
                         help="rows faster than this many ms are timed as CUDA-graph replays")
+    parser.add_argument("--rows", default="",
+                        help="suite case names, comma-separated (default: every case)")
+    parser.add_argument("--forward-only", action="store_true", help="skip the backward's rows")
     parser.add_argument("--worker", nargs=2, metavar=("ROOT", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    rows = [n for n in args.rows.split(",") if n]
     if args.worker:
-        worker(*args.worker, args.graph_below)
+        worker(*args.worker, args.graph_below, rows, args.forward_only)
         return 0
     runs = {"before": [], "after": []}
     for r in range(args.rounds):
         for which in ("before", "after"):
             out = f"/tmp/ab_{which}_{r}.json"
             subprocess.run([sys.executable, os.path.abspath(__file__), "--worker",
-                            getattr(args, which), out, "--graph-below", str(args.graph_below)],
+                            getattr(args, which), out, "--graph-below", str(args.graph_below),
+                            "--rows", args.rows] + (["--forward-only"] if args.forward_only else []),
                            check=True)
             with open(out) as f:
                 runs[which].append(json.load(f))
