@@ -3901,7 +3901,7 @@ def test_profile_rows_splits_ncu_kernels_at_the_markers():
     assert ours["kernels"] == ["groupnorm_stream_kernel<float, 4>", "groupnorm_finish"]
     assert ours["registers"] == 32 and ours["grid"] == 132  # the longest kernel's
     assert "| r | stream | 2.0 | 4.0 | 2.00 |" in profile_rows.markdown([clone, ours])
-    with pytest.raises(SystemExit, match="markers"):
+    with pytest.raises(SystemExit, match="marker pairs"):
         profile_rows.attribute(order + order, kernels)
 
 

@@ -64,6 +64,9 @@ def worker(root, out, graph_below, rows, forward_only):
     sys.path.insert(0, HERE)
     from bench_groupnorm import SUITE, make_inputs, median_ms, rotating
 
+    unknown = sorted(set(rows) - {case[0] for case in SUITE})
+    if unknown:  # a typo would time nothing and report no row slower
+        sys.exit(f"ab_compare: no suite case named {', '.join(map(repr, unknown))}")
     ext = gn.load()
     budget = torch.cuda.get_device_properties(0).total_memory // 4
     times = {}

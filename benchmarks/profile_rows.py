@@ -17,6 +17,7 @@ import csv
 import io
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -58,6 +59,9 @@ def launch_rows(names):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import groupnorm_inline as gn
     from bench_groupnorm import SUITE
+    unknown = sorted(set(names) - {case[0] for case in SUITE})
+    if unknown:  # a typo would profile nothing
+        sys.exit(f"profile_rows: no suite case named {', '.join(map(repr, unknown))}")
     order = []
     for name, shape, groups, dtype, layout in SUITE:
         if names and name not in names:
@@ -117,7 +121,7 @@ def attribute(order, kernels):
         elif current is not None:
             current.append(k)
     if len(groups) != len(order):
-        sys.exit(f"profile_rows: {len(groups)} markers for {len(order)} launches")
+        sys.exit(f"profile_rows: {len(groups)} marker pairs for {len(order)} calls")
     rows = []
     for slot, ks in zip(order, groups):
         ns = sum(k["ns"] or 0 for k in ks)
@@ -137,6 +141,11 @@ def attribute(order, kernels):
     return rows
 
 
+def fmt(value, spec):
+    """value formatted, or "–" where Nsight Compute gave none."""
+    return "–" if value is None else format(value, spec)
+
+
 def markdown(rows):
     out = ["| row | plan | copy µs | ours µs | ours / copy | DRAM bytes / input's (copy, ours) "
            "| TB/s (copy, ours) | occupancy % achieved / theoretical | issue % | "
@@ -147,13 +156,15 @@ def markdown(rows):
         by_row.setdefault(r["row"], {})[r["contender"]] = r
     for row, c in by_row.items():
         cl, o = c["copy"], c["ours"]
+        ratio = o["us"] / cl["us"] if cl["us"] else None
         out.append(
             f"| {row} | {o['plan'].get('kernel')} | {cl['us']:.1f} | {o['us']:.1f} | "
-            f"{o['us'] / cl['us']:.2f} | {cl['dram_over_bytes']:.2f}, {o['dram_over_bytes']:.2f} | "
-            f"{cl['dram_tbs']:.2f}, {o['dram_tbs']:.2f} | "
-            f"{o['occupancy_pct']:.0f} / {o['theoretical_pct']:.0f} | {o['issue_pct']:.0f} | "
-            f"{o['warp_instructions_per_element']:.1f} | {o['registers']:.0f}, "
-            f"{o['grid']:.0f} × {o['block']:.0f} | {o['local_requests']:.0f} |")
+            f"{fmt(ratio, '.2f')} | {cl['dram_over_bytes']:.2f}, {o['dram_over_bytes']:.2f} | "
+            f"{fmt(cl['dram_tbs'], '.2f')}, {fmt(o['dram_tbs'], '.2f')} | "
+            f"{fmt(o['occupancy_pct'], '.0f')} / {fmt(o['theoretical_pct'], '.0f')} | "
+            f"{fmt(o['issue_pct'], '.0f')} | {o['warp_instructions_per_element']:.1f} | "
+            f"{fmt(o['registers'], '.0f')}, {fmt(o['grid'], '.0f')} × {fmt(o['block'], '.0f')} | "
+            f"{fmt(o['local_requests'], '.0f')} |")
     return "\n".join(out)
 
 
@@ -190,7 +201,8 @@ def main():
         import torch
         command = [os.path.basename(a) if a in (args.json, args.csv) else a for a in sys.argv]
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                "date": datetime.date.today().isoformat(), "command": " ".join(command)}
+                "date": datetime.date.today().isoformat(),
+                "command": shlex.join(["python3"] + command)}
         with open(args.json, "w") as f:
             json.dump({**meta, "rows": rows}, f, indent=1)
 
