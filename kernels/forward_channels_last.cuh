@@ -36,8 +36,9 @@ __device__ __forceinline__ double reciprocal(double n) { return __drcp_rn(n); }
 // over every thread of the block, when rows are whole 16-byte pieces that fit
 // the block: then returns true, and a barrier must come between
 // copy_to_shared_wait() and the reads. Else issues nothing and returns false.
-// Against each thread's own V-element column: a half or a quarter as many
-// copies, from every warp, with no per-row multiply.
+// Against each thread's own V-element column: as many copies or fewer (a
+// half or a quarter at 8- and 4-byte vectors), from every warp, with no
+// per-row multiply.
 template <typename scalar_t>
 __device__ __forceinline__ bool copy_rows_whole_block(const scalar_t* first, int rows, int C,
                                                       int ldc, scalar_t* on_chip) {

@@ -207,9 +207,10 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
       const A rs = unit_rstd;
       const int64_t n = unit / G;
       const int64_t c0 = (unit - n * G) * D;
-      // A piece inside one channel (HxW a multiple of the piece, the large
-      // rows) takes that channel's scale and shift once, not each vector; not
-      // in the fused kernels, at their register bound (they spilled more).
+      // A piece inside one channel (every piece when HxW is a multiple of
+      // the piece) takes that channel's scale and shift once, not each
+      // vector; not in the fused kernels, at their register bound (they
+      // spilled more).
       const int64_t c_first = channel_at(begin * V, c0, HxW, fast_div, hxw_div);
       const bool one_channel =
           !kFused && c_first == channel_at((begin + count) * V - 1, c0, HxW, fast_div, hxw_div);

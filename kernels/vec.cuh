@@ -83,8 +83,9 @@ __device__ __forceinline__ VecT as_vec(const Raw& raw) {
 // Starts copying one vector from global to shared memory without passing
 // through registers (cp.async, sm_80 and later), so a CTA can put its whole
 // kept slice in flight at once. Plain copies on older devices and for 2-byte
-// vectors. copy_to_shared_wait() completes this thread's copies; each thread
-// reads back only what it copied, so no barrier is needed before it does.
+// vectors. copy_to_shared_wait() completes this thread's copies; a thread
+// that reads back only what it copied needs no barrier before it does
+// (copy_rows_whole_block's copies are read by others: a barrier follows).
 template <typename VecT>
 __device__ __forceinline__ void copy_to_shared_async(VecT* dst, const VecT* src) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
