@@ -3864,6 +3864,19 @@ def test_profile_models_host_table_counts_each_operator_call_once(operators_on_t
     assert host["launches"] == 0 and host["memsets"] == 0, host
 
 
+def test_benchmark_tools_select_suite_cases_by_name_and_refuse_typos():
+    # ab_compare.py --rows and profile_rows.py --rows share suite_cases
+    pytest.importorskip("triton")
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    import bench_groupnorm
+
+    assert bench_groupnorm.suite_cases([], "tool") == bench_groupnorm.SUITE
+    picked = bench_groupnorm.suite_cases(["tiny", "SD UNet"], "tool")
+    assert {case[0] for case in picked} == {"tiny", "SD UNet"} and len(picked) == 3
+    with pytest.raises(SystemExit, match="tool: no suite case named 'tiyn'"):
+        bench_groupnorm.suite_cases(["tiny", "tiyn"], "tool")
+
+
 def test_profile_rows_splits_ncu_kernels_at_the_markers():
     # profile_rows.py's parsing of Nsight Compute's raw CSV (base units):
     # each call's kernels summed between its two markers (the inputs'

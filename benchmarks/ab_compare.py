@@ -62,22 +62,18 @@ def worker(root, out, graph_below, rows, forward_only):
     import torch
 
     sys.path.insert(0, HERE)
-    from bench_groupnorm import SUITE, make_inputs, median_ms, rotating
+    from bench_groupnorm import case_key, make_inputs, median_ms, rotating, suite_cases
 
-    unknown = sorted(set(rows) - {case[0] for case in SUITE})
-    if unknown:  # a typo would time nothing and report no row slower
-        sys.exit(f"ab_compare: no suite case named {', '.join(map(repr, unknown))}")
+    cases = suite_cases(rows, "ab_compare")
     ext = gn.load()
     budget = torch.cuda.get_device_properties(0).total_memory // 4
     times = {}
-    for name, shape, groups, dtype, layout in SUITE:
-        if rows and name not in rows:
-            continue
+    for name, shape, groups, dtype, layout in cases:
         inputs = make_inputs(shape, dtype, layout, budget // 3)
         C = shape[1]
         w = torch.randn(C, device="cuda", dtype=dtype)
         b = torch.randn(C, device="cuda", dtype=dtype)
-        key = f"{name} {'x'.join(map(str, shape))} {str(dtype)[6:]} {layout}"
+        key = case_key(name, shape, dtype, layout)
         forward = rotating(lambda t: gn.groupnorm_cuda(t, w, b, groups), inputs)
         times[key + " forward"] = median_ms(forward)
         if times[key + " forward"] < graph_below:

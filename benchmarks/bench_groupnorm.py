@@ -68,6 +68,20 @@ SUITE = [
 QUICK = {"SD UNet", "SD VAE decoder", "tiny"}
 
 
+def suite_cases(names, tool):
+    """The SUITE cases named in `names` (all when empty); a name the suite
+    lacks stops `tool` (a typo would time or profile nothing)."""
+    unknown = sorted(set(names) - {case[0] for case in SUITE})
+    if unknown:
+        sys.exit(f"{tool}: no suite case named {', '.join(map(repr, unknown))}")
+    return [case for case in SUITE if not names or case[0] in names]
+
+
+def case_key(name, shape, dtype, layout):
+    """A case's label in the A/B and profile tools' output."""
+    return f"{name} {'x'.join(map(str, shape))} {str(dtype)[6:]} {layout}"
+
+
 def median_ms(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 

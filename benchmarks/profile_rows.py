@@ -58,20 +58,13 @@ def launch_rows(names):
     import torch
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import groupnorm_inline as gn
-    from bench_groupnorm import SUITE
-    unknown = sorted(set(names) - {case[0] for case in SUITE})
-    if unknown:  # a typo would profile nothing
-        sys.exit(f"profile_rows: no suite case named {', '.join(map(repr, unknown))}")
+    from bench_groupnorm import case_key, make_inputs, suite_cases
     order = []
-    for name, shape, groups, dtype, layout in SUITE:
-        if names and name not in names:
-            continue
-        fmt = {"contiguous": torch.contiguous_format, "channels_last": (
-            torch.channels_last if len(shape) == 4 else torch.channels_last_3d)}[layout]
-        x = torch.randn(shape, device="cuda", dtype=dtype).to(memory_format=fmt)
+    for name, shape, groups, dtype, layout in suite_cases(names, "profile_rows"):
+        x = make_inputs(shape, dtype, layout, 0)[0]  # one input: ncu flushes the caches itself
         w = torch.randn(shape[1], device="cuda", dtype=dtype)
         b = torch.randn(shape[1], device="cuda", dtype=dtype)
-        row = f"{name} {'x'.join(map(str, shape))} {str(dtype).split('.')[-1]} {layout}"
+        row = case_key(name, shape, dtype, layout)
         plan = gn.plan(x, groups)
         for contender, call in (("copy", lambda: torch.neg(x)),
                                 ("ours", lambda: gn.groupnorm_cuda(x, w, b, groups))):
