@@ -60,8 +60,8 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
       if constexpr (kFused) {
         if (ep.add != nullptr) {
           const int64_t e = begin + i * V;  // the vector's first element in the unit
-          const int64_t ch = fast_div && e < (int64_t(1) << 31) ? int64_t(hxw_div.div(uint32_t(e)))
-                                                                 : e / HxW;
+          const int64_t ch =
+              fast_div && e < (int64_t(1) << 31) ? int64_t(hxw_div.div(uint32_t(e))) : e / HxW;
           return pre_norm_vec<scalar_t, V>(v, unit * D + ch, ep);
         }
       }
@@ -73,8 +73,7 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
     // Kept vectors go to shared memory by asynchronous copies, all issued
     // before the first is summed (with the prologue, turned into s there);
     // the rest are loaded and summed while those copies are in flight.
-    const A shift =
-        count > 0 ? static_cast<A>(pre_norm(xs[0], unit * D + begin / HxW, ep)) : A(0);
+    const A shift = count > 0 ? static_cast<A>(pre_norm(xs[0], unit * D + begin / HxW, ep)) : A(0);
     A sum = 0;
     const auto accumulate = [&](const VecT& v) {
 #pragma unroll

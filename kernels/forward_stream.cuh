@@ -130,7 +130,8 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
         if (ep.add != nullptr) {
           const int64_t n = unit / G;
           const int64_t c = channel_at(begin * V, (unit - n * G) * D, HxW, fast_div, hxw_div);
-          shift = static_cast<A>(static_cast<scalar_t>(shift + static_cast<A>(ep.add[n * ep.C + c])));
+          shift =
+              static_cast<A>(static_cast<scalar_t>(shift + static_cast<A>(ep.add[n * ep.C + c])));
         }
       }
       A sum = 0;

@@ -79,7 +79,8 @@ void launch_backward_stream(const BackwardPlan& plan, const Problem& p, const Ba
 // The passes' epilogue argument: the fused backward's tensors and the
 // workspace it sums into, or nothing.
 template <typename scalar_t, bool kFused>
-BackwardEpilogue<scalar_t, kFused> backward_epilogue(const BackwardArgs& a, acc_t<scalar_t>* x_partial,
+BackwardEpilogue<scalar_t, kFused> backward_epilogue(const BackwardArgs& a,
+                                                     acc_t<scalar_t>* x_partial,
                                                      acc_t<scalar_t>* channel_sums) {
   if constexpr (kFused) {
     using A = acc_t<scalar_t>;
@@ -107,9 +108,8 @@ void with_passes_vec(int v, F&& f) {
   if constexpr (kFused) {
     constexpr int kWidest = int(16 / sizeof(scalar_t));
     if (v == kWidest) return f(std::integral_constant<int, kWidest>{});
-    GROUPNORM_CHECK(v == 1, "groupnorm backward: the fused passes take " +
-                                std::to_string(kWidest) + " elements a vector or one, got " +
-                                std::to_string(v));
+    GROUPNORM_CHECK(v == 1, "groupnorm backward: the fused passes take " + std::to_string(kWidest) +
+                                " elements a vector or one, got " + std::to_string(v));
     return f(std::integral_constant<int, 1>{});
   } else {
     with_vec<scalar_t, 16>(v, std::forward<F>(f));
@@ -191,9 +191,9 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
   with_passes_vec<scalar_t, kFused>(plan.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
     if (channels_last) {
-      launch_kernel(&groupnorm_backward_dx_channels_last_kernel<scalar_t, V, kFused>, tiles,
-                    stream, g.dy, g.x, static_cast<const Coef<A>*>(coef), g.dx, t, C, g.mean,
-                    g.gamma, D, ep);
+      launch_kernel(&groupnorm_backward_dx_channels_last_kernel<scalar_t, V, kFused>, tiles, stream,
+                    g.dy, g.x, static_cast<const Coef<A>*>(coef), g.dx, t, C, g.mean, g.gamma, D,
+                    ep);
     } else {
       launch_kernel(&groupnorm_backward_dx_contiguous_kernel<scalar_t, V, kFused>, tiles, stream,
                     g.dy, g.x, static_cast<const Coef<A>*>(coef), g.dx, t, g.mean, g.gamma, C, D,
@@ -208,11 +208,13 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
   template const void* backward_stream_kernel<T>(bool, int);                                       \
   template void launch_backward_stream<T>(const BackwardPlan&, const Problem&,                     \
                                           const BackwardArgs&, WorkspaceAllocator&, cudaStream_t); \
-  template void launch_backward_passes<T, false>(                                                  \
-      const BackwardPlan&, const Problem&, const BackwardArgs&, WorkspaceAllocator&, cudaStream_t);
-#define GROUPNORM_INSTANTIATE_BACKWARD_true(T)    \
-  template void launch_backward_passes<T, true>( \
-      const BackwardPlan&, const Problem&, const BackwardArgs&, WorkspaceAllocator&, cudaStream_t);
+  template void launch_backward_passes<T, false>(const BackwardPlan&, const Problem&,              \
+                                                 const BackwardArgs&, WorkspaceAllocator&,         \
+                                                 cudaStream_t);
+#define GROUPNORM_INSTANTIATE_BACKWARD_true(T)                                            \
+  template void launch_backward_passes<T, true>(const BackwardPlan&, const Problem&,      \
+                                                const BackwardArgs&, WorkspaceAllocator&, \
+                                                cudaStream_t);
 #define GROUPNORM_INSTANTIATE_BACKWARD(T, fused) GROUPNORM_INSTANTIATE_BACKWARD_##fused(T)
 #define GROUPNORM_INSTANTIATE_BACKWARDS(T) GROUPNORM_EPILOGUES(GROUPNORM_INSTANTIATE_BACKWARD, T)
 GROUPNORM_DTYPES(GROUPNORM_INSTANTIATE_BACKWARDS)

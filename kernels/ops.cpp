@@ -5,6 +5,8 @@
 #include "ops.h"
 
 #include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/hardswish.h>
 #include <ATen/ops/leaky_relu.h>
@@ -13,8 +15,6 @@
 #include <ATen/ops/sigmoid.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/tanh.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -127,10 +127,9 @@ at::Tensor check_modulation(const c10::optional<at::Tensor>& t, const char* name
   // [N, C], or [N, C, 1, ...] as graphs broadcast it (the compile pass folds those)
   bool per_channel = t->dim() >= 2 && t->dim() <= x.dim() && t->size(0) == N && t->size(1) == C;
   for (int64_t d = 2; per_channel && d < t->dim(); ++d) per_channel = t->size(d) == 1;
-  TORCH_CHECK_VALUE(per_channel,
-                    message("groupnorm: ", name, " must have shape [", N, ", ", C,
-                            "] (one value per sample and channel) or [", N, ", ", C,
-                            ", 1, ...], got ", t->sizes()));
+  TORCH_CHECK_VALUE(per_channel, message("groupnorm: ", name, " must have shape [", N, ", ", C,
+                                         "] (one value per sample and channel) or [", N, ", ", C,
+                                         ", 1, ...], got ", t->sizes()));
   check_like_input(*t, name, x);
   return t->reshape({N, C}).contiguous();
 }
@@ -235,8 +234,8 @@ at::Tensor pre_norm_sum(const Checked& c, const at::Tensor& add) {
   at::Tensor s = at::empty_like(c.x);
   with_kernel_types(p, [&](auto tag, auto fused) {
     using scalar_t = typename decltype(tag)::type;
-    launch_add_per_channel<scalar_t, decltype(fused)::value>(
-        p, c.x.data_ptr(), add.data_ptr(), s.data_ptr(), current_stream(c.x));
+    launch_add_per_channel<scalar_t, decltype(fused)::value>(p, c.x.data_ptr(), add.data_ptr(),
+                                                             s.data_ptr(), current_stream(c.x));
   });
   return s;
 }
@@ -249,16 +248,24 @@ using namespace groupnorm;
 at::Tensor aten_activation(Activation a, const at::Tensor& v, double slope, bool in_place) {
   at::Tensor t = v;
   switch (a) {
-    case Activation::SiLU: return in_place ? at::silu_(t) : at::silu(v);
-    case Activation::GELU: return in_place ? at::gelu_(t) : at::gelu(v);
-    case Activation::GELUTanh: return in_place ? at::gelu_(t, "tanh") : at::gelu(v, "tanh");
-    case Activation::ReLU: return in_place ? at::relu_(t) : at::relu(v);
+    case Activation::SiLU:
+      return in_place ? at::silu_(t) : at::silu(v);
+    case Activation::GELU:
+      return in_place ? at::gelu_(t) : at::gelu(v);
+    case Activation::GELUTanh:
+      return in_place ? at::gelu_(t, "tanh") : at::gelu(v, "tanh");
+    case Activation::ReLU:
+      return in_place ? at::relu_(t) : at::relu(v);
     case Activation::LeakyReLU:
       return in_place ? at::leaky_relu_(t, slope) : at::leaky_relu(v, slope);
-    case Activation::Tanh: return in_place ? at::tanh_(t) : at::tanh(v);
-    case Activation::Sigmoid: return in_place ? at::sigmoid_(t) : at::sigmoid(v);
-    case Activation::Hardswish: return in_place ? at::hardswish_(t) : at::hardswish(v);
-    case Activation::Mish: return in_place ? at::mish_(t) : at::mish(v);
+    case Activation::Tanh:
+      return in_place ? at::tanh_(t) : at::tanh(v);
+    case Activation::Sigmoid:
+      return in_place ? at::sigmoid_(t) : at::sigmoid(v);
+    case Activation::Hardswish:
+      return in_place ? at::hardswish_(t) : at::hardswish(v);
+    case Activation::Mish:
+      return in_place ? at::mish_(t) : at::mish(v);
   }
   TORCH_CHECK(false, "groupnorm: unknown activation");
 }
@@ -292,8 +299,7 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
   // The kernels read the residual at the offsets they write y at: one of
   // other strides is read from a copy in y's (a pass over it, into an
   // aligned block). Else its vectors must suit its address too.
-  const bool copy_residual =
-      epilogue.residual.defined() && !same_layout(epilogue.residual, c.x);
+  const bool copy_residual = epilogue.residual.defined() && !same_layout(epilogue.residual, c.x);
   if (!copy_residual) c.problem.addr |= reinterpret_cast<uintptr_t>(epilogue.args.residual);
   c.problem.epilogue = epilogue.args.any();
   c.problem.called_chain = !epilogue.args.inline_chain();
@@ -302,7 +308,7 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
   const bool team_kernel =
       plan.kernel == ForwardKernel::Contiguous || plan.kernel == ForwardKernel::ChannelsLast;
   if (epilogue.add.defined() && (plan.kernel == ForwardKernel::StreamChannelsLast ||
-                                  (team_kernel && plan.team.kept < plan.team.slice))) {
+                                 (team_kernel && plan.team.kept < plan.team.slice))) {
     // The prologue is in the reference and registers kernels, the contiguous
     // stream (both items of a piece turn x into s) and team kernels that keep
     // their whole slice on chip (where it turns the kept x into s once); the
@@ -348,8 +354,8 @@ std::vector<at::Tensor> forward_fused(const at::Tensor& x, const c10::optional<a
         return plan.registers.items == kRegistersFewItems
                    ? launch_registers<scalar_t, kRegistersFewItems, kFused>(plan, c.problem, args,
                                                                             stream)
-                   : launch_registers<scalar_t, kRegistersManyItems, kFused>(plan, c.problem,
-                                                                             args, stream);
+                   : launch_registers<scalar_t, kRegistersManyItems, kFused>(plan, c.problem, args,
+                                                                             stream);
       case ForwardKernel::Contiguous:
       case ForwardKernel::ChannelsLast:
         return launch_team<scalar_t, kFused>(plan, c.problem, args, workspace, stream);
@@ -511,7 +517,8 @@ PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& 
                         const std::vector<int64_t>& activations) {
   Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
   const EpilogueArgs chain = check_epilogue(x, c10::nullopt, c10::nullopt, c10::nullopt,
-                                            activations, 0.0, c10::nullopt, false).args;
+                                            activations, 0.0, c10::nullopt, false)
+                                 .args;
   c.problem.epilogue = epilogue || chain.any();
   c.problem.called_chain = !chain.inline_chain();
   c.problem.store = chain.store();
