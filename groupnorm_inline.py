@@ -65,8 +65,8 @@ _HERE = os.path.dirname(os.path.abspath(globals()["__file__"])) if "__file__" in
 # The extension is compiled as separate translation units, in parallel: the
 # host code, the Python module, and each kernel family once per dtype and
 # epilogue switch (without the epilogue, with it).
-_HOST_UNITS = ["device.cpp", "errors.cpp", "plan_forward.cpp", "plan_backward.cpp", "ops.cpp",
-               "library.cpp", "bindings.cpp"]
+_HOST_UNITS = ["counter_slots.cu", "counters.cpp", "device.cpp", "errors.cpp",
+               "plan_forward.cpp", "plan_backward.cpp", "ops.cpp", "library.cpp", "bindings.cpp"]
 _KERNEL_UNITS = ["launch_forward_small.cu", "launch_forward_registers_many.cu",
                  "launch_forward_team.cu", "launch_forward_stream.cu",
                  "launch_forward_stream_channels_last.cu", "launch_backward.cu"]

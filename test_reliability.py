@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 import groupnorm_inline as gn
 import groupnorm_tools as tools
-from test_groupnorm import FORCED, affine, cuda, forced_id, forced_input, make_input
+from test_groupnorm import (FORCED, affine, check_against_reference, check_backward, cuda,
+                            forced_id, forced_input, make_input)
 
 # (shape, groups, dtype, layout): each takes another kernel
 MIXED = [
@@ -121,6 +122,76 @@ def test_gpu_every_forced_path_is_deterministic(case):
     for _ in range(3):
         again = ext.backward(dy, x, mean, rstd, w, groups, True, True, "auto", 0)
         assert all(torch.equal(a, g) for a, g in zip(again, grads))
+
+
+# (shape, groups, dtype, layout, forcing): the plans whose CTAs wait on each
+# other through counters, of several sizes, each within a stream's slot
+# (16 KiB: stream plans of up to 1,365 units).
+COUNTER_CASES = [
+    ((3, 12, 61, 37), 3, torch.float32, "contiguous", dict(kernel="stream")),
+    ((64, 64, 32, 32), 8, torch.float16, "contiguous", dict(kernel="stream")),
+    ((1, 128, 100, 100), 64, torch.bfloat16, "channels_last", dict(kernel="stream")),
+    ((3, 12, 61, 37), 3, torch.float32, "contiguous", dict(kernel="contiguous", team=13)),
+    ((3, 40, 77, 19), 4, torch.float32, "channels_last", dict(kernel="channels_last", team=11)),
+]
+
+
+def run_counter_case(shape, groups, dtype, layout, force, seed):
+    """The forced forward (and, for the stream plans, backward) on fresh
+    input, checked against the float64 reference."""
+    torch.manual_seed(seed)
+    x = make_input(shape, dtype, layout, "cuda", shift=2.0)
+    w, b = affine(shape[1], dtype, "cuda", "both")
+    check_against_reference(x, groups, w, b, **force)
+    if force["kernel"] == "stream":
+        check_backward(x, groups, w, b, torch.randn_like(x), kernel="stream")
+
+
+@cuda
+def test_gpu_counters_are_left_zeroed_for_the_next_plan():
+    # Launches on one stream share its counters, which each must leave at
+    # zero: every plan after every other, forward and reverse, on fresh
+    # input (stale counters end a stream kernel early or let a CTA read
+    # statistics not yet merged: a wrong output)
+    # 4,096 units: counters larger than a slot, zeroed in a temporary
+    larger = ((128, 32, 16, 16), 32, torch.float16, "contiguous", dict(kernel="stream"))
+    for case in COUNTER_CASES + [larger]:
+        assert gn.plan(make_input(case[0], case[2], case[3], "cuda"), case[1],
+                       **case[4])["kernel"] == case[4]["kernel"], case
+    order = COUNTER_CASES + [larger] + COUNTER_CASES[::-1] + COUNTER_CASES[::2] + COUNTER_CASES[1::2]
+    for seed, case in enumerate(order):
+        run_counter_case(*case, seed)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # a stream's first launches: its own counters
+        for seed, case in enumerate(order[:len(COUNTER_CASES)]):
+            run_counter_case(*case, seed)
+    torch.cuda.current_stream().wait_stream(side)
+
+
+@cuda
+def test_gpu_counter_plans_launch_no_memset():
+    # After a stream's first launch, the team and stream plans find their
+    # counters zeroed: a call enqueues its kernels and no memset
+    from torch.profiler import ProfilerActivity, profile
+    for shape, groups, dtype, layout, force in COUNTER_CASES:
+        x = make_input(shape, dtype, layout, "cuda")
+        w, b = affine(shape[1], dtype, "cuda", "both")
+        ext = gn.load()
+        calls = [lambda: gn.groupnorm_cuda(x, w, b, groups, **force)]
+        if force["kernel"] == "stream":
+            _, mean, rstd = ext.forward(x, w, b, groups, 1e-5, "auto", 0, 0)
+            dy = torch.randn_like(x)
+            calls.append(lambda: ext.backward(dy, x, mean, rstd, w, groups, True, True, "stream", 0))
+        for call in calls:
+            call()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                call()
+                torch.cuda.synchronize()
+            names = [event.name for event in prof.events()]
+            assert any("groupnorm" in n for n in names), names  # the kernel was seen
+            assert not [n for n in names if "memset" in n.lower()], (shape, force, names)
 
 
 @cuda

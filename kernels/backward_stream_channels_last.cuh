@@ -227,6 +227,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
     }
     __syncthreads();  // the next ticket is visible; shared values may be reused
   }
+  stream_leave(ws);
 }
 
 }  // namespace groupnorm

@@ -2,6 +2,8 @@
 // the KernelBench export (load_inline compiles a single CUDA string). The
 // loader instead compiles each file on its own, in parallel, with
 // bindings.cpp as the Python module.
+#include "counter_slots.cu"
+#include "counters.cpp"
 #include "device.cpp"
 #include "errors.cpp"
 #include "launch_backward.cu"

@@ -255,6 +255,7 @@ __global__ void __launch_bounds__(kChannelsLastMaxThreads, 1)
     }
     __syncthreads();  // the kept rows and shared statistics are reused
   }
+  team_leave(ws, team, T);
 }
 
 }  // namespace groupnorm

@@ -132,6 +132,7 @@ __global__ void __launch_bounds__(kContiguousThreads, 4)
     load_each<kUnroll, scalar_t, V>(nkept + tid, nvec, threads, V, normalise_at, xs);
     __syncthreads();  // the kept slice and shared statistics are reused
   }
+  team_leave(ws, team, T);
 }
 
 }  // namespace groupnorm

@@ -234,6 +234,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamBlocksPerSm)
     if (tid == 0) ticket[cur ^ 1] = next_ticket;
     __syncthreads();  // the next ticket is visible; shared values may be reused
   }
+  stream_leave(ws);
 }
 
 }  // namespace groupnorm

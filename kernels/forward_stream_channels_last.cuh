@@ -284,6 +284,7 @@ __global__ void __launch_bounds__(kStreamThreads, kStreamRowsBlocksPerSm)
     }
     __syncthreads();  // the next ticket is visible; shared values may be reused
   }
+  stream_leave(ws);
 }
 
 }  // namespace groupnorm

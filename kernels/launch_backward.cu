@@ -2,7 +2,8 @@
 // plain or fused (backward_epilogue.cuh), and the stream kernels
 // (backward_stream*.cuh, plain), each followed, when dgamma and dbeta are
 // wanted, by the affine kernel. Every temporary of a backward comes from one
-// allocation, but the chain kernel's g (a second).
+// allocation, but the chain kernel's g (a second) and the stream kernels'
+// counters (left zeroed by the kernels).
 #include <string>
 
 #include "backward_stream.cuh"
@@ -45,14 +46,15 @@ void launch_backward_stream(const BackwardPlan& plan, const Problem& p, const Ba
   const int64_t units = channels_last ? p.N * t.cblocks : p.N * p.G;
   // Contiguous: tile pairs [N, C, chunks]. Channels-last: group pairs
   // [N, chunks, G] and, for the affine partials, channel pairs [N, chunks, C].
+  const StreamCounters counters(units, 1);
   WorkspaceLayout layout;
-  const StreamCounters counters(layout, units, 1);
   const int64_t pairs_at =
       layout.add<A>(channels_last ? 2 * p.N * t.chunks * p.G : 2 * NC * t.chunks);
   const int64_t channel_at =
       layout.add<A>(channels_last && need_affine ? 2 * p.N * t.chunks * p.C : 0);
   const int64_t affine_at = layout.add<A>(need_affine ? 2 * NC : 0);
-  uint8_t* base = alloc.allocate(layout.bytes, counters.bytes);
+  uint8_t* base = alloc.allocate(layout.bytes);
+  const StreamWorkspace ws = counters.bind(alloc.counters(counters.bytes));
   A* pairs = reinterpret_cast<A*>(base + pairs_at);
   A* affine_pairs = need_affine ? reinterpret_cast<A*>(base + affine_at) : nullptr;
   const StreamOrder order{t.tiles, plan.lag};
@@ -66,11 +68,11 @@ void launch_backward_stream(const BackwardPlan& plan, const Problem& p, const Ba
       A* channel_pairs = need_affine ? reinterpret_cast<A*>(base + channel_at) : nullptr;
       launch_kernel(&groupnorm_backward_stream_channels_last_kernel<scalar_t, V>, shape, stream,
                     g.dy, g.x, g.mean, g.rstd, g.gamma, pairs, channel_pairs, affine_pairs, g.dx,
-                    counters.bind(base), t, int(p.C), p.G, order, l2_hints);
+                    ws, t, int(p.C), p.G, order, l2_hints);
     } else {
       launch_kernel(&groupnorm_backward_stream_kernel<scalar_t, V>, shape, stream, g.dy, g.x,
-                    g.mean, g.rstd, g.gamma, pairs, affine_pairs, g.dx, counters.bind(base), t,
-                    int(p.C), p.G, order, l2_hints);
+                    g.mean, g.rstd, g.gamma, pairs, affine_pairs, g.dx, ws, t, int(p.C), p.G, order,
+                    l2_hints);
     }
   });
   if (need_affine) launch_affine<scalar_t>(affine_pairs, p, a, stream);
@@ -123,7 +125,7 @@ template <typename scalar_t>
 BackwardArgs with_chain_taken_back(const BackwardPlan& plan, const Problem& p, BackwardArgs a,
                                    WorkspaceAllocator& alloc, cudaStream_t stream) {
   const int64_t elements = p.N * p.C * p.HxW;
-  scalar_t* g = reinterpret_cast<scalar_t*>(alloc.allocate(elements * p.elem, 0));
+  scalar_t* g = reinterpret_cast<scalar_t*>(alloc.allocate(elements * p.elem));
   const TypedBackward<scalar_t> t(a);
   const auto ep = backward_epilogue<scalar_t, true>(a, nullptr, nullptr);
   with_passes_vec<scalar_t, true>(plan.vec, [&](auto v) {
@@ -161,7 +163,7 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
   const int64_t affine_at = layout.add<A>(need_affine ? 2 * NC : 0);
   const int64_t x_partial_at = layout.add<A>(need_add ? NC * t.chunks : 0);
   const int64_t channel_sums_at = layout.add<A>(need_add ? 2 * NC : 0);
-  uint8_t* base = alloc.allocate(layout.bytes, 0);
+  uint8_t* base = alloc.allocate(layout.bytes);
   Coef<A>* coef = need_dx || need_add ? reinterpret_cast<Coef<A>*>(base + coef_at) : nullptr;
   A* partial = reinterpret_cast<A*>(base + partial_at);
   A* affine_pairs = need_affine ? reinterpret_cast<A*>(base + affine_at) : nullptr;

@@ -1,5 +1,5 @@
 // Launcher of the contiguous stream forward (forward_stream.cuh): the
-// counters (zeroed) and the ring of piece partials in one allocation, then
+// counters (left zeroed by the kernels), the ring of piece partials, then
 // one plain launch.
 #include "errors.h"
 #include "forward_stream.cuh"
@@ -41,19 +41,17 @@ void launch_stream(const ForwardPlan& plan, const Problem& p, const ForwardArgs&
   const int D = int(p.D());
   const StreamOrder order{plan.units * s.pieces, s.lag};
   const LaunchShape shape{plan.grid, plan.threads, plan.smem};
-  WorkspaceLayout layout;
   const int64_t L = int64_t(D) * p.HxW;
-  const StreamCounters counters(layout, plan.units, 1);
-  const int64_t partial_at = layout.add<A>(s.slots * s.pieces * 2);
-  uint8_t* base = alloc.allocate(layout.bytes, counters.bytes);
+  const StreamCounters counters(plan.units, 1);
+  const StreamWorkspace ws = counters.bind(alloc.counters(counters.bytes));
+  A* partial = reinterpret_cast<A*>(alloc.allocate(s.slots * s.pieces * 2 * int64_t(sizeof(A))));
   const bool fast_div = L < (int64_t(1) << 31);
   const FastDivider hxw_div(fast_div ? uint32_t(p.HxW) : 1u);
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
     launch_kernel(stream_kernel_of<scalar_t, decltype(v)::value, kFused>(s.each_merges, plan.store),
                   shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
-                  f.template epilogue_for<kFused>(), reinterpret_cast<A*>(base + partial_at),
-                  counters.bind(base), L, p.HxW, p.G, D, s.pieces, s.slots, order, hxw_div,
-                  fast_div, f.eps);
+                  f.template epilogue_for<kFused>(), partial, ws, L, p.HxW, p.G, D, s.pieces,
+                  s.slots, order, hxw_div, fast_div, f.eps);
   });
 }
 

@@ -1,6 +1,7 @@
 // Launcher of the channels-last stream forward
-// (forward_stream_channels_last.cuh): the counters (zeroed) and the rings of
-// piece and chunk partials in one allocation, then one plain launch.
+// (forward_stream_channels_last.cuh): the counters (left zeroed by the
+// kernels), the rings of piece and chunk partials in one allocation, then one
+// plain launch.
 #include "errors.h"
 #include "forward_stream_channels_last.cuh"
 #include "launch.cuh"
@@ -44,19 +45,20 @@ void launch_stream_channels_last(const ForwardPlan& plan, const Problem& p, cons
   WorkspaceLayout layout;
   const int64_t chunks = (s.pieces + s.chunk - 1) / s.chunk;
   const int unit_groups = p.G / s.blocks;
-  const StreamCounters counters(layout, plan.units, chunks);
+  const StreamCounters counters(plan.units, chunks);
   const int64_t piece_at = layout.add<A>(s.slots * s.pieces * unit_groups * 2);
   const int64_t chunk_at = layout.add<A>(s.slots * chunks * unit_groups * 2);
-  uint8_t* base = alloc.allocate(layout.bytes, counters.bytes);
+  uint8_t* base = alloc.allocate(layout.bytes);
+  const StreamWorkspace ws = counters.bind(alloc.counters(counters.bytes));
   const auto piece_partial = reinterpret_cast<A*>(base + piece_at);
   const auto chunk_partial = reinterpret_cast<A*>(base + chunk_at);
   with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
     launch_kernel(stream_channels_last_kernel_of<scalar_t, decltype(v)::value, kFused>(
                       s.each_merges, plan.store),
                   shape, stream, f.x, f.gamma, f.beta, f.y, f.mean, f.rstd,
-                  f.template epilogue_for<kFused>(), piece_partial, chunk_partial,
-                  counters.bind(base), p.HxW, int(p.C), s.blocks, unit_groups, D, s.rows_per_step,
-                  s.pieces, s.chunk, s.slots, order, f.eps);
+                  f.template epilogue_for<kFused>(), piece_partial, chunk_partial, ws, p.HxW,
+                  int(p.C), s.blocks, unit_groups, D, s.rows_per_step, s.pieces, s.chunk, s.slots,
+                  order, f.eps);
   });
 }
 

@@ -1,7 +1,7 @@
 // Launchers of the team kernels (forward_contiguous.cuh,
 // forward_channels_last.cuh): one cooperative launch when a unit is shared by
-// several CTAs, with the team workspace (arrival counters, zeroed, then the
-// partials and results of every team) carved from one allocation.
+// several CTAs, with the team workspace: counters the kernels leave zeroed,
+// and the partials and results of every team in one temporary.
 #include "forward_channels_last.cuh"
 #include "forward_contiguous.cuh"
 #include "launch.cuh"
@@ -41,18 +41,17 @@ const void* team_kernel(bool channels_last, int vec, Store store) {
 // for T == 1.
 template <typename A>
 TeamWorkspace<A> team_workspace(const ForwardPlan& plan, int groups, WorkspaceAllocator& alloc) {
-  TeamWorkspace<A> ws{nullptr, nullptr, nullptr, nullptr};
+  TeamWorkspace<A> ws{nullptr, nullptr, nullptr, nullptr, nullptr};
   const int64_t T = plan.team.team;
   if (T == 1) return ws;
   const int64_t teams = plan.grid / T;
+  ws.arrived = reinterpret_cast<int*>(alloc.counters(kTeamCounters * teams * int64_t(sizeof(int))));
+  ws.published = ws.arrived + teams;
+  ws.left = ws.published + teams;
   WorkspaceLayout layout;
-  const int64_t counters = layout.add<int>(2 * teams);
-  const int64_t zeroed = layout.bytes;
   const int64_t partial = layout.add<A>(teams * 2 * T * groups * 2);
   const int64_t result = layout.add<A>(teams * 2 * groups * 2);
-  uint8_t* base = alloc.allocate(layout.bytes, zeroed);
-  ws.arrived = reinterpret_cast<int*>(base + counters);
-  ws.published = ws.arrived + teams;
+  uint8_t* base = alloc.allocate(layout.bytes);
   ws.partial = reinterpret_cast<A*>(base + partial);
   ws.result = reinterpret_cast<A*>(base + result);
   return ws;

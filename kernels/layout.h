@@ -34,8 +34,7 @@ inline size_t stream_rows_shared_bytes(int rows_per_step, int cols, int G, size_
 
 // Where each array of a launch's temporary memory lies in its one
 // allocation: add<T>(count) returns the byte offset of `count` Ts, each array
-// starting 16-byte aligned. Counters go first, so that the zeroed part is a
-// prefix.
+// starting 16-byte aligned.
 struct WorkspaceLayout {
   int64_t bytes = 0;
   template <typename T>
@@ -46,12 +45,14 @@ struct WorkspaceLayout {
   }
 };
 
-// Temporary device memory for one launch, from the caller's allocator (the
-// caching allocator, on the launch stream). The first `zeroed` bytes are
-// cleared on the stream before the launch.
+// Device memory for one launch on the caller's stream: a temporary (the
+// caching allocator's), and the counters by which CTAs wait on each other,
+// which are zero when the launch starts and which the kernels leave at zero
+// (team_leave, stream_leave).
 class WorkspaceAllocator {
  public:
-  virtual uint8_t* allocate(int64_t bytes, int64_t zeroed) = 0;
+  virtual uint8_t* allocate(int64_t bytes) = 0;
+  virtual uint8_t* counters(int64_t bytes) = 0;
 
  protected:
   ~WorkspaceAllocator() = default;

@@ -22,6 +22,7 @@
 
 #include <cmath>
 
+#include "counters.h"
 #include "dispatch.h"
 #include "kernel_shapes.h"
 #include "launchers.h"
@@ -195,15 +196,20 @@ at::ScalarType acc_dtype(const at::Tensor& x) {
 // Workspaces from the caching allocator on the launch stream. The tensors
 // are freed when the call returns, after the launches are enqueued: the
 // allocator hands their memory only to later work on the same stream, which
-// runs after these launches.
+// runs after these launches. Counters come from the stream's buffer, or
+// from a temporary zeroed on the stream where it has none.
 class TensorWorkspace final : public WorkspaceAllocator {
  public:
   TensorWorkspace(const at::Tensor& like, cudaStream_t stream) : like_(like), stream_(stream) {}
-  uint8_t* allocate(int64_t bytes, int64_t zeroed) override {
+  uint8_t* allocate(int64_t bytes) override {
     held_.push_back(at::empty({bytes}, like_.options().dtype(at::kByte)));
-    uint8_t* base = held_.back().data_ptr<uint8_t>();
-    if (zeroed > 0) C10_CUDA_CHECK(cudaMemsetAsync(base, 0, size_t(zeroed), stream_));
-    return base;
+    return held_.back().data_ptr<uint8_t>();
+  }
+  uint8_t* counters(int64_t bytes) override {
+    if (uint8_t* shared = stream_counters(bytes, like_, stream_)) return shared;
+    uint8_t* zeroed = allocate(bytes);
+    C10_CUDA_CHECK(cudaMemsetAsync(zeroed, 0, size_t(bytes), stream_));
+    return zeroed;
   }
 
  private:

@@ -15,14 +15,14 @@
 // run: no deadlock whatever is resident, and no cooperative launch.
 #pragma once
 
-#include "errors.h"
 #include "layout.h"
 #include "sync.cuh"
 #include "vec.cuh"
 
 namespace groupnorm {
 
-// The counters of a stream launch, zeroed before it.
+// The counters of a stream launch: zero when it starts, and zero again when
+// its last CTA leaves (stream_leave).
 struct StreamWorkspace {
   unsigned long long* next;  // [1]              next ticket to hand out
   int* arrived;              // [units, chunks]  first reads finished, per chunk of pieces
@@ -30,29 +30,41 @@ struct StreamWorkspace {
   int* ready;                // [units]          forward: merge=once, 1 when the unit's mean
                              //                  and rstd are written; merge=each, readers
                              //                  done with the unit's ring slot
+  int* left;                 // [1]              CTAs that have left the kernel
+  int64_t ints;              // the int counters above, from `arrived` to `left`
 };
 
-// Lays out the counters of `units` units of `chunks` chunks as the first
-// `bytes` of `layout` (the part of a workspace that is zeroed); bind()
-// points them into the allocation.
+// The counters of `units` units of `chunks` chunks in `bytes` of memory;
+// bind() points them into it.
 struct StreamCounters {
-  int64_t units, chunks, ints_at, bytes;
-  StreamCounters(WorkspaceLayout& layout, int64_t units_, int64_t chunks_)
-      : units(units_), chunks(chunks_) {
-    GROUPNORM_CHECK(layout.bytes == 0, "groupnorm: stream counters must open the workspace");
-    layout.add<unsigned long long>(1);
-    ints_at = layout.add<int>(units * chunks + 2 * units);
-    bytes = layout.bytes;
+  int64_t units, chunks, ints, bytes;
+  StreamCounters(int64_t units_, int64_t chunks_) : units(units_), chunks(chunks_) {
+    ints = units * chunks + 2 * units + 1;
+    bytes = round_up_to_16(int64_t(sizeof(unsigned long long))) + ints * int64_t(sizeof(int));
   }
   StreamWorkspace bind(uint8_t* base) const {
     StreamWorkspace ws;
     ws.next = reinterpret_cast<unsigned long long*>(base);
-    ws.arrived = reinterpret_cast<int*>(base + ints_at);
+    ws.arrived = reinterpret_cast<int*>(base + round_up_to_16(sizeof(unsigned long long)));
     ws.chunk_arrived = ws.arrived + units * chunks;
     ws.ready = ws.chunk_arrived + units;
+    ws.left = ws.ready + units;
+    ws.ints = ints;
     return ws;
   }
 };
+
+// Called by every CTA of a stream kernel once it has no item left. The last
+// to leave zeroes the counters for the next launch on the stream: the others
+// have done with them (thread 0, which alone touches them, left after its
+// last wait), and it has acquired what they did.
+__device__ __forceinline__ void stream_leave(const StreamWorkspace& ws) {
+  bool last = false;
+  if (threadIdx.x == 0) last = add_acq_rel(ws.left, 1) == int(gridDim.x) - 1;
+  if (!__syncthreads_or(last)) return;
+  for (int64_t i = threadIdx.x; i < ws.ints; i += blockDim.x) ws.arrived[i] = 0;
+  if (threadIdx.x == 0) *ws.next = 0;
+}
 
 // Ticket -> item in the order above. total: pieces in all units.
 struct StreamOrder {

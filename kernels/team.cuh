@@ -22,10 +22,15 @@ namespace groupnorm {
 
 constexpr int kRedundantCombine = 2048;
 
+// Counters (zero when a launch starts and when it ends: team_leave) and
+// the exchanged statistics of every team.
+constexpr int kTeamCounters = 3;  // ints a team: arrived, published, left
+
 template <typename A>
 struct TeamWorkspace {
   int* arrived;    // [teams]                   partials published, all rounds
   int* published;  // [teams]                   combiners done, all rounds
+  int* left;       // [teams]                   CTAs done with the two above
   A* partial;      // [teams, 2, T, groups, 2]  per-CTA (mean, M2)
   A* result;       // [teams, 2, groups, 2]     combined (mean, rstd)
 };
@@ -111,6 +116,20 @@ __device__ void team_combine(const TeamWorkspace<A>& ws, int team, int rank, int
     rstd_s[g] = __ldcg(&result[g * 2 + 1]);
   }
   __syncthreads();
+}
+
+// Called by every CTA after its last round. The last of a team to leave
+// zeroes the team's counters for the next launch on the stream: the others'
+// waits are over, and thread 0, which alone touches the counters, acquired
+// what they did.
+template <typename A>
+__device__ __forceinline__ void team_leave(const TeamWorkspace<A>& ws, int team, int T) {
+  if (T == 1 || threadIdx.x != 0) return;
+  if (add_acq_rel(&ws.left[team], 1) == T - 1) {
+    ws.arrived[team] = 0;
+    ws.published[team] = 0;
+    ws.left[team] = 0;
+  }
 }
 
 // The dynamic shared memory of a team kernel (team_shared_bytes): the kept
