@@ -9,6 +9,9 @@ contenders alternate, round by round, and each reports its median over the
 rounds:
 - extension: the extension's own function (what eager calls without
   gradients run);
+- extension_team, extension_stream: the same with a team of two CTAs, and
+  with the stream kernel, forced: the plans whose CTAs wait on each other
+  through counters;
 - operator: torch.ops.groupnorm_inline.forward.default, as the code that
   torch.compile generates calls it (kernels registered from C++);
 - python_custom_op: the same extension function behind a
@@ -91,6 +94,8 @@ def contenders(x, w, b, groups):
         gn.disable_compile_fusion()
     return {
         "extension": lambda: extension.forward(x, w, b, groups, 1e-5, "auto", 0, 0),
+        "extension_team": lambda: extension.forward(x, w, b, groups, 1e-5, "contiguous", 2, 0),
+        "extension_stream": lambda: extension.forward(x, w, b, groups, 1e-5, "stream", 0, 0),
         "operator": lambda: op(x, w, b, groups, 1e-5),
         "python_custom_op": lambda: python_custom_op(x, w, b, groups, 1e-5),
         "operator_with_grad": lambda: op(x_grad, w, b, groups, 1e-5),
