@@ -3877,6 +3877,28 @@ def test_benchmark_tools_select_suite_cases_by_name_and_refuse_typos():
         bench_groupnorm.suite_cases(["tiny", "tiyn"], "tool")
 
 
+def test_training_table_gives_the_backward_over_its_copy_and_issue_26_target():
+    pytest.importorskip("triton")
+    sys.path.insert(0, os.path.join(HERE, "benchmarks"))
+    import bench_groupnorm
+
+    def row(name, element_bytes, ours, copy):
+        return {"name": name, "shape": [1], "G": 1, "dtype": "float16", "layout": "contiguous",
+                "pass": "forward+backward", "bytes": 5 * element_bytes, "floor_ms": 1.0,
+                "ms": {"groupnorm_inline": 2.0, "eager": 4.0, "compile": 3.0},
+                "backward_ms": {"groupnorm_inline": ours, "eager": 1.0, "compile": 1.0},
+                "backward_floor_ms": 0.1, "backward_copy_ms": copy}
+
+    meta = {"device": "card", "torch": "t", "cuda": "c", "date": "d", "copy_GBps": 1000.0}
+    table = bench_groupnorm.markdown([row("large", 64e6, 0.3, 0.2), row("small", 1e6, 0.05, 0.04)],
+                                     meta)
+    backward = table.split("Backward alone")[1].splitlines()
+    large = next(line for line in backward if line.startswith("| large"))
+    small = next(line for line in backward if line.startswith("| small"))
+    assert "| 0.2000 | 1.50 | 1.3 |" in large, large
+    assert "| 0.0400 | 1.25 | 1.6 |" in small, small
+
+
 def test_profile_rows_splits_ncu_kernels_at_the_markers():
     # profile_rows.py's parsing of Nsight Compute's raw CSV (base units):
     # each call's kernels summed between its two markers (the inputs'
