@@ -25,6 +25,7 @@ import datetime
 import json
 import math
 import os
+import shlex
 import sys
 import time
 
@@ -404,7 +405,8 @@ def main():
         "date": datetime.date.today().isoformat(),
         # relative paths only: the record must not depend on the machine it ran on
         "command": " ".join(["python3", "benchmarks/bench_groupnorm.py"] +
-                            [os.path.basename(a) if os.sep in a else a for a in sys.argv[1:]]),
+                            [shlex.quote(os.path.basename(a) if os.sep in a else a)
+                             for a in sys.argv[1:]]),
     }
     copy_bw = copy_bandwidth()
     meta["copy_GBps"] = copy_bw / 1e9
