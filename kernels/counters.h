@@ -11,7 +11,7 @@ namespace groupnorm {
 
 // `bytes` of zeroed counters for a launch on `stream` of `like`'s device,
 // which the launch must leave zeroed; nullptr where no slot can serve it
-// (counters.cu): the caller zeroes a temporary instead.
+// (counters.cpp): the caller zeroes a temporary instead.
 uint8_t* stream_counters(int64_t bytes, const at::Tensor& like, cudaStream_t stream);
 
 }  // namespace groupnorm
