@@ -39,6 +39,7 @@
 #include "backward_epilogue.cuh"
 #include "plan.h"
 #include "reduce.cuh"
+#include "sync.cuh"
 
 namespace groupnorm {
 
@@ -138,6 +139,7 @@ __global__ void __launch_bounds__(kBackwardThreads,
         BackwardTiles t, int C, int D, const BackwardEpilogue<scalar_t, kFused> ep) {
   using A = acc_t<scalar_t>;
   __shared__ A scratch[3 * kBackwardWarps];
+  griddep_release();  // the coefficients kernel may launch
   const int G = C / D;
   const bool x_sums = wants_x_sums(ep);
   const auto recompute = [&](int64_t row) {
@@ -215,6 +217,7 @@ __global__ void __launch_bounds__(kBackwardThreads,
         const BackwardEpilogue<scalar_t, kFused> ep) {  // mean, gamma, C, D: kFused reads them
   using VecT = Vec<scalar_t, V>;
   using A = acc_t<scalar_t>;
+  griddep_wait();  // the coefficients (through the affine kernel, when it runs between)
   for (int64_t i = blockIdx.x; i < t.tiles; i += gridDim.x) {
     const int64_t b = t.tiles - 1 - i;  // reverse: the sums kernel's last tiles are in L2
     int64_t row, begin = 0, end = t.row_items;
@@ -287,6 +290,7 @@ __global__ void __launch_bounds__(kBackwardThreads,
   // [trows][block_cols * V] per-thread sums, then added down each column.
   __shared__ A red_dy[kBackwardThreads * V], red_dyx[kBackwardThreads * V];
   __shared__ A red_x[kFused ? kBackwardThreads * V : 1];
+  griddep_release();  // the coefficients kernel may launch
   const int G = C / D;
   const bool x_sums = wants_x_sums(ep);
   for (int64_t b = blockIdx.x; b < t.tiles; b += gridDim.x) {
@@ -372,6 +376,7 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_dx_channe
     const BackwardEpilogue<scalar_t, kFused> ep) {  // mean, gamma, D: kFused reads them
   using A = acc_t<scalar_t>;
   using VecT = Vec<scalar_t, V>;
+  griddep_wait();  // the coefficients (through the affine kernel, when it runs between)
   for (int64_t i = blockIdx.x; i < t.tiles; i += gridDim.x) {
     const ChannelsLastTile tile(t, t.tiles - 1 - i, C, V);  // reverse, as the contiguous one
     if (!tile.active) continue;
@@ -506,6 +511,8 @@ __global__ void __launch_bounds__(kBackwardThreads) groupnorm_backward_coefficie
     const BackwardEpilogue<scalar_t, kFused> ep) {
   using A = acc_t<scalar_t>;
   __shared__ A red_dy[kBackwardThreads], red_dyx[kBackwardThreads], scratch[2 * kBackwardWarps];
+  griddep_release();
+  griddep_wait();  // the sums kernel's partials
   for (int64_t unit = blockIdx.x; unit < N * G; unit += gridDim.x) {
     unit_coefficients<scalar_t, 16, kFused>(partial, mean, rstd, gamma, affine_pairs, coef, unit,
                                             C, G, HxW, at, red_dy, red_dyx, scratch, ep);
@@ -521,6 +528,8 @@ __global__ void groupnorm_backward_affine_kernel(
     scalar_t* __restrict__ dbeta,         // [C]
     int64_t N, int C) {
   using A = acc_t<scalar_t>;
+  griddep_release();
+  griddep_wait();  // the pairs of the kernel before
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   A sb = 0, sg = 0;

@@ -1,6 +1,7 @@
 // The one way kernels are launched: cudaLaunchKernelEx on the current
 // stream, plain, cooperative (teams that wait on each other must all be
-// resident: the launch guarantees it or fails, never hangs) or as clusters;
+// resident: the launch guarantees it or fails, never hangs), as clusters, or
+// as a dependent launch that overlaps the previous kernel's end (sm_90+);
 // and the dispatch from a planned vector width to a kernel's template.
 #pragma once
 
@@ -21,7 +22,8 @@ struct LaunchShape {
   int threads;
   size_t smem = 0;
   bool cooperative = false;
-  int cluster = 1;  // CTAs per cluster
+  int cluster = 1;              // CTAs per cluster
+  bool after_previous = false;  // may start before the previous kernel ends (griddep_wait)
 };
 
 template <typename... Params, typename... Args>
@@ -32,7 +34,7 @@ void launch_kernel(void (*kernel)(Params...), const LaunchShape& shape, cudaStre
   config.blockDim = dim3(unsigned(shape.threads));
   config.dynamicSmemBytes = shape.smem;
   config.stream = stream;
-  cudaLaunchAttribute attrs[2];
+  cudaLaunchAttribute attrs[3];
   unsigned count = 0;
   if (shape.cooperative) {
     attrs[count].id = cudaLaunchAttributeCooperative;
@@ -43,6 +45,10 @@ void launch_kernel(void (*kernel)(Params...), const LaunchShape& shape, cudaStre
     attrs[count].val.clusterDim.x = unsigned(shape.cluster);
     attrs[count].val.clusterDim.y = 1;
     attrs[count++].val.clusterDim.z = 1;
+  }
+  if (shape.after_previous) {
+    attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[count++].val.programmaticStreamSerializationAllowed = 1;
   }
   config.attrs = attrs;
   config.numAttrs = count;

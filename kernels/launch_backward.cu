@@ -31,8 +31,10 @@ template <typename scalar_t>
 void launch_affine(const acc_t<scalar_t>* affine_pairs, const Problem& p, const BackwardArgs& a,
                    cudaStream_t stream) {
   const TypedBackward<scalar_t> g(a);
-  launch_kernel(&groupnorm_backward_affine_kernel<scalar_t>, {(p.C + 255) / 256, 256}, stream,
-                affine_pairs, g.dgamma, g.dbeta, p.N, int(p.C));
+  LaunchShape shape{(p.C + 255) / 256, 256};
+  shape.after_previous = p.dev->clusters;  // sm_90+
+  launch_kernel(&groupnorm_backward_affine_kernel<scalar_t>, shape, stream, affine_pairs, g.dgamma,
+                g.dbeta, p.N, int(p.C));
 }
 
 template <typename scalar_t>
@@ -184,20 +186,25 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
   });
   const PartialLayout at{t.chunks, p.C * t.chunks, channels_last ? 1 : t.chunks,
                          channels_last ? p.C : 1};
-  launch_kernel(&groupnorm_backward_coefficients_kernel<scalar_t, kFused>,
-                {std::min<int64_t>(p.N * G, kMaxGrid), kBackwardThreads}, stream,
+  // The kernels after the sums overlap their launch with the end of the one
+  // before (sm_90+): small inputs' backward is four launches' latency.
+  LaunchShape coefficients{std::min<int64_t>(p.N * G, kMaxGrid), kBackwardThreads};
+  coefficients.after_previous = p.dev->clusters;
+  launch_kernel(&groupnorm_backward_coefficients_kernel<scalar_t, kFused>, coefficients, stream,
                 static_cast<const A*>(partial), g.mean, g.rstd, g.gamma, affine_pairs, coef, p.N, C,
                 G, p.HxW, at, ep);
   if (need_affine) launch_affine<scalar_t>(affine_pairs, p, a, stream);
   if (!need_dx) return;
+  LaunchShape dx_tiles = tiles;
+  dx_tiles.after_previous = p.dev->clusters;
   with_passes_vec<scalar_t, kFused>(plan.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
     if (channels_last) {
-      launch_kernel(&groupnorm_backward_dx_channels_last_kernel<scalar_t, V, kFused>, tiles, stream,
-                    g.dy, g.x, static_cast<const Coef<A>*>(coef), g.dx, t, C, g.mean, g.gamma, D,
-                    ep);
+      launch_kernel(&groupnorm_backward_dx_channels_last_kernel<scalar_t, V, kFused>, dx_tiles,
+                    stream, g.dy, g.x, static_cast<const Coef<A>*>(coef), g.dx, t, C, g.mean,
+                    g.gamma, D, ep);
     } else {
-      launch_kernel(&groupnorm_backward_dx_contiguous_kernel<scalar_t, V, kFused>, tiles, stream,
+      launch_kernel(&groupnorm_backward_dx_contiguous_kernel<scalar_t, V, kFused>, dx_tiles, stream,
                     g.dy, g.x, static_cast<const Coef<A>*>(coef), g.dx, t, g.mean, g.gamma, C, D,
                     ep);
     }
