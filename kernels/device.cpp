@@ -64,6 +64,19 @@ int blocks_per_sm(const void* kernel, int device, int threads, size_t smem) {
   return blocks;
 }
 
+bool dependent_launch(const void* kernel, int device) {
+  static std::mutex lock;
+  static std::map<std::pair<const void*, int>, bool> cache;
+  std::lock_guard<std::mutex> guard(lock);
+  const auto key = std::make_pair(kernel, device);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  cudaFuncAttributes attributes;
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+  return cache.emplace(key, device_info(device).clusters && attributes.ptxVersion >= 90)
+      .first->second;
+}
+
 int active_clusters(const void* kernel, int device, int threads, int ranks) {
   static std::mutex lock;
   static std::map<std::tuple<const void*, int, int, int>, int> cache;

@@ -31,4 +31,10 @@ int blocks_per_sm(const void* kernel, int device, int threads, size_t smem);
 // such a cluster cannot be scheduled or the kernel was built without clusters.
 int active_clusters(const void* kernel, int device, int threads, int ranks);
 
+// Whether `kernel` may launch as a programmatic dependent (LaunchShape::
+// after_previous): an sm_90+ device running code built for sm_90+. Code
+// JIT-compiled there from older PTX has no griddep_wait, so it would read the
+// previous kernel's results before they are visible.
+bool dependent_launch(const void* kernel, int device);
+
 }  // namespace groupnorm

@@ -31,10 +31,10 @@ template <typename scalar_t>
 void launch_affine(const acc_t<scalar_t>* affine_pairs, const Problem& p, const BackwardArgs& a,
                    cudaStream_t stream) {
   const TypedBackward<scalar_t> g(a);
+  const auto kernel = &groupnorm_backward_affine_kernel<scalar_t>;
   LaunchShape shape{(p.C + 255) / 256, 256};
-  shape.after_previous = p.dev->clusters;  // sm_90+
-  launch_kernel(&groupnorm_backward_affine_kernel<scalar_t>, shape, stream, affine_pairs, g.dgamma,
-                g.dbeta, p.N, int(p.C));
+  shape.after_previous = dependent_launch(reinterpret_cast<const void*>(kernel), p.device);
+  launch_kernel(kernel, shape, stream, affine_pairs, g.dgamma, g.dbeta, p.N, int(p.C));
 }
 
 template <typename scalar_t>
@@ -188,15 +188,18 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
                          channels_last ? p.C : 1};
   // The kernels after the sums overlap their launch with the end of the one
   // before (sm_90+): small inputs' backward is four launches' latency.
+  const auto coefficients_kernel = &groupnorm_backward_coefficients_kernel<scalar_t, kFused>;
+  // Built with the kernels below, for the same architectures.
+  const bool dependent =
+      dependent_launch(reinterpret_cast<const void*>(coefficients_kernel), p.device);
   LaunchShape coefficients{std::min<int64_t>(p.N * G, kMaxGrid), kBackwardThreads};
-  coefficients.after_previous = p.dev->clusters;
-  launch_kernel(&groupnorm_backward_coefficients_kernel<scalar_t, kFused>, coefficients, stream,
-                static_cast<const A*>(partial), g.mean, g.rstd, g.gamma, affine_pairs, coef, p.N, C,
-                G, p.HxW, at, ep);
+  coefficients.after_previous = dependent;
+  launch_kernel(coefficients_kernel, coefficients, stream, static_cast<const A*>(partial), g.mean,
+                g.rstd, g.gamma, affine_pairs, coef, p.N, C, G, p.HxW, at, ep);
   if (need_affine) launch_affine<scalar_t>(affine_pairs, p, a, stream);
   if (!need_dx) return;
   LaunchShape dx_tiles = tiles;
-  dx_tiles.after_previous = p.dev->clusters;
+  dx_tiles.after_previous = dependent;
   with_passes_vec<scalar_t, kFused>(plan.vec, [&](auto v) {
     constexpr int V = decltype(v)::value;
     if (channels_last) {
