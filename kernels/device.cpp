@@ -31,17 +31,26 @@ const DeviceInfo& device_info(int device) {
   return cache.emplace(device, info).first->second;
 }
 
-size_t dynamic_smem_limit(const void* kernel, int device) {
+namespace {
+
+// The attributes of the code of `kernel` that runs on `device`.
+const cudaFuncAttributes& kernel_attributes(const void* kernel, int device) {
   static std::mutex lock;
-  static std::map<std::pair<const void*, int>, size_t> cache;
+  static std::map<std::pair<const void*, int>, cudaFuncAttributes> cache;
   std::lock_guard<std::mutex> guard(lock);
   const auto key = std::make_pair(kernel, device);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   cudaFuncAttributes attributes;
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  const size_t limit = size_t(device_info(device).smem_per_block) - attributes.sharedSizeBytes;
-  return cache.emplace(key, limit).first->second;
+  return cache.emplace(key, attributes).first->second;  // map entries never move
+}
+
+}  // namespace
+
+size_t dynamic_smem_limit(const void* kernel, int device) {
+  return size_t(device_info(device).smem_per_block) -
+         kernel_attributes(kernel, device).sharedSizeBytes;
 }
 
 int blocks_per_sm(const void* kernel, int device, int threads, size_t smem) {
@@ -65,16 +74,7 @@ int blocks_per_sm(const void* kernel, int device, int threads, size_t smem) {
 }
 
 bool dependent_launch(const void* kernel, int device) {
-  static std::mutex lock;
-  static std::map<std::pair<const void*, int>, bool> cache;
-  std::lock_guard<std::mutex> guard(lock);
-  const auto key = std::make_pair(kernel, device);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  cudaFuncAttributes attributes;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  return cache.emplace(key, device_info(device).clusters && attributes.ptxVersion >= 90)
-      .first->second;
+  return device_info(device).clusters && kernel_attributes(kernel, device).ptxVersion >= 90;
 }
 
 int active_clusters(const void* kernel, int device, int threads, int ranks) {
@@ -84,9 +84,7 @@ int active_clusters(const void* kernel, int device, int threads, int ranks) {
   const auto key = std::make_tuple(kernel, device, threads, ranks);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
-  cudaFuncAttributes attributes;
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
-  if (attributes.ptxVersion < 90) return cache.emplace(key, 0).first->second;
+  if (kernel_attributes(kernel, device).ptxVersion < 90) return cache.emplace(key, 0).first->second;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(unsigned(ranks));
   config.blockDim = dim3(unsigned(threads));
