@@ -126,7 +126,7 @@ def test_gpu_every_forced_path_is_deterministic(case):
 
 # (shape, groups, dtype, layout, forcing): the plans whose CTAs wait on each
 # other through counters, of several sizes, each within a stream's slot
-# (16 KiB: stream plans of up to 1,365 units).
+# (16 KiB: stream plans of up to 1,363 units).
 COUNTER_CASES = [
     ((3, 12, 61, 37), 3, torch.float32, "contiguous", dict(kernel="stream")),
     ((64, 64, 32, 32), 8, torch.float16, "contiguous", dict(kernel="stream")),
