@@ -196,8 +196,8 @@ at::ScalarType acc_dtype(const at::Tensor& x) {
 // Workspaces from the caching allocator on the launch stream. The tensors
 // are freed when the call returns, after the launches are enqueued: the
 // allocator hands their memory only to later work on the same stream, which
-// runs after these launches. Counters come from the stream's buffer, or
-// from a temporary zeroed on the stream where it has none.
+// runs after these launches. Counters come from the stream's slot
+// (counters.cpp), or from a temporary zeroed on the stream where it has none.
 class TensorWorkspace final : public WorkspaceAllocator {
  public:
   TensorWorkspace(const at::Tensor& like, cudaStream_t stream) : like_(like), stream_(stream) {}
