@@ -1127,8 +1127,9 @@ def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False, fused=False
 
     With backward=True, the backward's kernel and tiling for x (and a
     grad_output laid out like it, dx wanted): there kernel is "auto",
-    "passes" (four launches) or "stream" (one launch; either layout), lag
-    the stream kernel's lag in tiles, and there is no team.
+    "passes" (four launches), "stream" (one launch; either layout) or
+    "registers" (one launch, a group a CTA: groups of a few thousand
+    vectors), lag the stream kernel's lag in tiles, and there is no team.
     """
     groups, _ = _check_cuda_arguments("plan", x, groups, None, None, 0.0)
     if backward:

@@ -35,6 +35,7 @@ import groupnorm_inline as gn
 import groupnorm_tools as tools
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -2473,9 +2474,11 @@ def test_gpu_plan_dicts_have_the_documented_fields():
         assert plan["store"] == "none", plan  # a plain call's kernel stores bare
         if plan["kernel"] in ("contiguous", "channels_last"):
             assert 1 <= plan["team"] and plan["kept"] <= plan["slice"] and plan["blocks"] >= 1, plan
-    # the backward: passes and stream, either layout
+    # the backward: passes, stream and registers, either layout
     common = ["kernel", "layout", "vec", "grid", "threads", "tiles", "chunks", "chunk"]
     for shape, groups, dtype, layout, kernel, own in [
+            ((3, 40, 8, 8), 4, torch.bfloat16, "contiguous", "registers", ["smem"]),
+            ((2, 2304, 5, 7), 48, torch.float32, "channels_last", "registers", ["smem"]),
             ((3, 40, 8, 8), 4, torch.bfloat16, "contiguous", "passes", ["warp_rows"]),
             ((2, 2304, 5, 7), 48, torch.float32, "channels_last", "passes", ["blocks", "block_cols"]),
             ((2, 8, 64, 64), 2, torch.float32, "contiguous", "stream", ["lag"]),
@@ -3148,11 +3151,11 @@ BACKWARD_TILINGS = [
 def test_gpu_backward_tilings(case):
     shape, groups, dtype, layout, expected = case
     x = make_input(shape, dtype, layout, "cuda")
-    plan = gn.plan(x, groups, backward=True)
+    plan = gn.plan(x, groups, backward=True, kernel="passes")  # some take the registers unforced
     assert plan["kernel"] == "passes" and plan["layout"] == layout and plan_has(plan, expected), \
         (expected, plan)
     w, b = affine(shape[1], dtype, "cuda", "both")
-    check_backward(x, groups, w, b, make_input(shape, dtype, layout, "cuda"))
+    check_backward(x, groups, w, b, make_input(shape, dtype, layout, "cuda"), kernel="passes")
 
 
 # The stream backward forced on awkward sizes: one tile per row, rows cut into
@@ -3224,6 +3227,74 @@ BACKWARD_STREAM_CL_CASES = [
 def test_gpu_backward_stream_channels_last_kernel(case):
     shape, groups, dtype, expected = case
     check_stream_backward(shape, groups, dtype, "channels_last", expected)
+
+
+# The registers backward forced on awkward groups: every vector width of every
+# dtype, either layout, channels-last rows of 3 and 5 vectors (blocks of 96
+# and 160 threads, so that a thread keeps one column), ragged last vectors,
+# G = 1 and G = C, 1-D and 3-D, more units than resident CTAs, and the
+# largest group one CTA holds. Fields: what the plan must hold, so that a
+# case that stops testing what it says fails.
+BACKWARD_REGISTERS = [  # (shape, groups, dtypes, layout, fields)
+    ((2, 12, 9, 11), 3, (BF16, F16, F32, F64), "contiguous", dict(vec=1, threads=128)),
+    ((2, 12, 10, 15), 3, (BF16, F16, F32, F64), "contiguous", dict(vec=2, threads=96)),
+    ((2, 12, 9, 12), 3, (BF16, F16, F32), "contiguous", dict(vec=4, threads=32)),
+    ((3, 40, 8, 8), 4, (BF16, F16), "contiguous", dict(vec=8, threads=32)),
+    ((2, 8, 16, 16), 8, (F32,), "contiguous", dict(vec=4, threads=32, tiles=16)),  # G = C
+    ((2, 16, 8, 8), 1, (F16,), "contiguous", dict(vec=8, tiles=2)),  # G = 1
+    ((4, 16, 100), 4, (F32,), "contiguous", dict(vec=4)),  # 1-D
+    ((64, 256, 8, 8), 32, (F32,), "contiguous", dict(tiles=2048, threads=32)),
+    ((2, 16, 64, 64), 4, (F32,), "contiguous", dict(vec=4, threads=1024, smem=32768)),  # largest
+    ((2, 15, 9, 11), 5, (BF16, F16, F32, F64), "channels_last", dict(vec=1, threads=96)),
+    ((2, 12, 20, 20), 6, (BF16, F16, F32, F64), "channels_last", dict(vec=2, threads=128)),
+    ((2, 32, 10, 10), 8, (BF16, F16, F32), "channels_last", dict(vec=4, threads=32)),
+    ((2, 80, 8, 8), 2, (BF16, F16), "channels_last", dict(vec=8, threads=160)),
+    ((2, 24, 6, 6), 2, (F32,), "channels_last", dict(vec=4, threads=96)),
+    ((2, 16, 4, 6, 6), 4, (BF16,), "channels_last", dict(vec=4, threads=64)),  # 3-D
+    ((64, 256, 8, 8), 32, (F16,), "channels_last", dict(tiles=2048, vec=8)),
+]
+BACKWARD_REGISTERS_CASES = [(shape, groups, dtype, layout, fields)
+                            for shape, groups, dtypes, layout, fields in BACKWARD_REGISTERS
+                            for dtype in dtypes]
+
+
+@cuda
+@pytest.mark.parametrize("case", BACKWARD_REGISTERS_CASES,
+                         ids=[f"{c[3]}-{shape_id(c[:2])}-{str(c[2])[6:]}"
+                              for c in BACKWARD_REGISTERS_CASES])
+def test_gpu_backward_registers_kernel(case):
+    shape, groups, dtype, layout, fields = case
+    x = make_input(shape, dtype, layout, "cuda")
+    plan = gn.plan(x, groups, kernel="registers", backward=True)
+    assert plan["kernel"] == "registers" and plan["layout"] == layout and plan_has(plan, fields), \
+        (fields, plan)
+    assert list(plan) == ["kernel", "layout", "vec", "grid", "threads", "tiles", "chunks", "chunk",
+                          "smem", "reason"], plan
+    w, b = affine(shape[1], dtype, "cuda", "both")
+    dy = lambda: make_input(shape, dtype, layout, "cuda")  # noqa: E731  (fresh each call)
+    check_backward(x, groups, w, b, dy(), kernel="registers")
+    check_backward(x, groups, None, None, dy(), kernel="registers")
+    check_backward(x, groups, w, b, dy(), kernel="registers", affine=False)  # dx alone
+
+
+@cuda
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_gpu_backward_registers_chosen_below_l2_size(layout):
+    # the suite's small rows take the registers backward through autograd,
+    # shifted input included; dweight and dbias alone leave dx unwritten
+    for shape, groups, dtype in [((2, 1280, 16, 16), 32, F16), ((8, 1280, 8, 8), 32, BF16),
+                                 ((1, 64, 32, 32), 32, F16), ((4, 32, 8, 8), 8, F32)]:
+        x = make_input(shape, dtype, layout, "cuda", shift=1000.0)
+        plan = gn.plan(x, groups, backward=True)
+        assert plan["kernel"] == "registers" and plan["layout"] == layout, plan
+        w, b = affine(shape[1], dtype, "cuda", "both")
+        check_backward(x, groups, w, b, torch.randn_like(x))
+        check_backward(x, groups, w, b, torch.randn_like(x), need_dx=False)
+    # a group past one CTA takes the passes, and forcing it names the limit
+    x = make_input((2, 16, 64, 65), F32, layout, "cuda")
+    assert gn.plan(x, 4, backward=True)["kernel"] == "passes"
+    with pytest.raises(ValueError, match="registers kernel holds a group in one CTA"):
+        gn.plan(x, 4, kernel="registers", backward=True)
 
 
 @cuda
@@ -5011,8 +5082,6 @@ def test_gpu_epilogue_takes_the_cuda_path_and_module_and_autocast(monkeypatch):
 # ---------------------------------------------------------------------------
 # GPU: kernel instantiations that no other test launches
 # ---------------------------------------------------------------------------
-
-BF16, F16, F32, F64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
 
 # The fused kernels' copies per store kind (kernels/launch.cuh, with_store):
 # no activation, SiLU alone and ReLU alone, each without a residual, at the

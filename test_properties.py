@@ -63,7 +63,7 @@ DATA = {  # (shift, scale) of the values: randn * scale + shift
 EPS = [1e-5, 1e-6, 1e-3, 0.1, 1.0, 1e-12, 0.0]
 FORWARD_KERNELS = ["auto", "reference", "registers", "contiguous", "channels_last", "stream"]
 STEPS = [*ACTIVATIONS, ("leaky_relu", 0.2)]  # an activation chain's steps
-BACKWARD_KERNELS = ["auto", "passes", "stream"]
+BACKWARD_KERNELS = ["auto", "passes", "stream", "registers"]
 
 
 @dataclasses.dataclass(frozen=True)

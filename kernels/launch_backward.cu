@@ -1,11 +1,13 @@
 // Launchers of the backward: the four-launch passes (backward_passes.cuh),
-// plain or fused (backward_epilogue.cuh), and the stream kernels
-// (backward_stream*.cuh, plain), each followed, when dgamma and dbeta are
+// plain or fused (backward_epilogue.cuh), the stream kernels
+// (backward_stream*.cuh, plain) and the registers kernel
+// (backward_registers.cuh, plain), each followed, when dgamma and dbeta are
 // wanted, by the affine kernel. Every temporary of a backward comes from one
 // allocation, but the chain kernel's g (a second) and the stream kernels'
 // counters (left zeroed by the kernels).
 #include <string>
 
+#include "backward_registers.cuh"
 #include "backward_stream.cuh"
 #include "backward_stream_channels_last.cuh"
 #include "errors.h"
@@ -76,6 +78,24 @@ void launch_backward_stream(const BackwardPlan& plan, const Problem& p, const Ba
                     g.mean, g.rstd, g.gamma, pairs, affine_pairs, g.dx, ws, t, int(p.C), p.G, order,
                     l2_hints);
     }
+  });
+  if (need_affine) launch_affine<scalar_t>(affine_pairs, p, a, stream);
+}
+
+template <typename scalar_t>
+void launch_backward_registers(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
+                               WorkspaceAllocator& alloc, cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  const bool need_affine = a.dgamma != nullptr;
+  A* affine_pairs =
+      need_affine ? reinterpret_cast<A*>(alloc.allocate(2 * p.N * p.C * sizeof(A))) : nullptr;
+  const TypedBackward<scalar_t> g(a);
+  LaunchShape shape{plan.grid, plan.threads};
+  shape.smem = plan.smem;
+  with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
+    launch_kernel(&groupnorm_backward_registers_kernel<scalar_t, decltype(v)::value>, shape, stream,
+                  g.dy, g.x, g.mean, g.rstd, g.gamma, affine_pairs, g.dx, p.N, int(p.HxW), p.C, p.G,
+                  int(p.D()), p.channels_last);
   });
   if (need_affine) launch_affine<scalar_t>(affine_pairs, p, a, stream);
 }
@@ -220,6 +240,9 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
   template const void* backward_stream_kernel<T>(bool, int);                                       \
   template void launch_backward_stream<T>(const BackwardPlan&, const Problem&,                     \
                                           const BackwardArgs&, WorkspaceAllocator&, cudaStream_t); \
+  template void launch_backward_registers<T>(const BackwardPlan&, const Problem&,                  \
+                                             const BackwardArgs&, WorkspaceAllocator&,             \
+                                             cudaStream_t);                                        \
   template void launch_backward_passes<T, false>(const BackwardPlan&, const Problem&,              \
                                                  const BackwardArgs&, WorkspaceAllocator&,         \
                                                  cudaStream_t);

@@ -125,6 +125,9 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
 template <typename scalar_t>
 void launch_backward_stream(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
                             WorkspaceAllocator& workspace, cudaStream_t stream);
+template <typename scalar_t>
+void launch_backward_registers(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
+                               WorkspaceAllocator& workspace, cudaStream_t stream);
 
 // The dtypes (GROUPNORM_DTYPES) and forward epilogue switches
 // (GROUPNORM_EPILOGUES: X(T, false) X(T, true)) a build has kernels for:

@@ -415,7 +415,7 @@ at::Tensor sums_output(bool wanted, c10::IntArrayRef sizes, bool over_nothing,
 }
 
 // Plans and launches a backward whose outputs are allocated: the plain
-// passes or stream, or the fused passes (problem.epilogue).
+// passes, stream or registers kernel, or the fused passes (problem.epilogue).
 void run_backward(Problem both, const at::Tensor& dyk, bool need_dx, const BackwardArgs& args,
                   const std::string& kernel, int64_t lag, const at::Tensor& like) {
   both.addr |= reinterpret_cast<uintptr_t>(dyk.data_ptr());  // vectors must suit x and dy
@@ -429,6 +429,9 @@ void run_backward(Problem both, const at::Tensor& dyk, bool need_dx, const Backw
       if (plan.kernel == BackwardKernel::Stream ||
           plan.kernel == BackwardKernel::StreamChannelsLast) {
         return launch_backward_stream<scalar_t>(plan, both, args, workspace, stream);
+      }
+      if (plan.kernel == BackwardKernel::Registers) {
+        return launch_backward_registers<scalar_t>(plan, both, args, workspace, stream);
       }
     }
     launch_backward_passes<scalar_t, kFused>(plan, both, args, workspace, stream);

@@ -9,6 +9,7 @@
 #include <variant>
 #include <vector>
 
+#include "kernel_shapes.h"
 #include "problem.h"
 
 namespace groupnorm {
@@ -27,6 +28,7 @@ enum class BackwardKernel {
   PassesChannelsLast,  // the same for channels-last input
   Stream,              // one ticket-ordered launch (and the affine kernel)
   StreamChannelsLast,
+  Registers,           // one CTA per group, held in registers (and the affine kernel)
 };
 
 // What a caller may force: a kernel by name ("stream" takes the input's
@@ -93,6 +95,8 @@ struct BackwardPlan {
   int vec = 1;
   BackwardTiles tiles{};
   int64_t grid = 0;
+  int threads = kBackwardThreads;
+  size_t smem = 0;  // registers: the table of channel sums
   int64_t lag = 0;  // stream: tiles the sums run ahead of dx
   std::string reason;
 };

@@ -1,10 +1,13 @@
-// The backward's rule table: the four-launch passes or the one-launch stream
-// kernel, and their tiling. choose_backward is the one place that decides;
-// docs/DESIGN.md gives the measurements behind every rule and threshold.
+// The backward's rule table: the one-launch registers kernel, the four-launch
+// passes or the one-launch stream kernel, and their tiling. choose_backward
+// is the one place that decides; docs/DESIGN.md gives the measurements
+// behind every rule and threshold.
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <limits>
+#include <numeric>
+#include <optional>
 
 #include "dispatch.h"
 #include "kernel_shapes.h"
@@ -136,19 +139,61 @@ BackwardPlan passes_channels_last(const Problem& p) {
   return plan;
 }
 
+// The registers backward when a group fits one CTA: at most
+// kBackwardRegistersItems vectors of each input a thread, at most
+// kBackwardRegistersMaxThreads threads, for channels-last input a multiple of
+// a row's D / vec vectors (a thread keeps one column), and a table of channel
+// sums within kBackwardRegistersTableBytes. Forced, a group that does not
+// fit is an error.
+std::optional<BackwardPlan> registers_backward(const Problem& p, bool forced) {
+  BackwardPlan plan;
+  plan.kernel = BackwardKernel::Registers;
+  const int64_t D = p.D();
+  plan.vec = p.channels_last ? widest_vector(p, {p.C, D}) : widest_vector(p, {p.HxW});
+  const int64_t vectors = D * p.HxW / plan.vec;
+  const int64_t multiple = p.channels_last ? std::lcm<int64_t>(kWarp, D / plan.vec) : kWarp;
+  const int64_t per_thread = (vectors + kBackwardRegistersItems - 1) / kBackwardRegistersItems;
+  const int64_t threads = std::max<int64_t>(1, (per_thread + multiple - 1) / multiple) * multiple;
+  const int64_t entries = p.channels_last ? threads * plan.vec : vectors;
+  const int64_t table = entries * 2 * p.acc;
+  const bool fits =
+      threads <= kBackwardRegistersMaxThreads && table <= kBackwardRegistersTableBytes;
+  TORCH_CHECK_VALUE(
+      fits || !forced,
+      message("groupnorm backward: the registers kernel holds a group in one CTA of at most ",
+              kBackwardRegistersMaxThreads, " threads, ", kBackwardRegistersItems,
+              " vectors a thread, with a table of at most ", kBackwardRegistersTableBytes,
+              " bytes; this group of ", vectors, " vectors of ", plan.vec, " elements needs ",
+              threads, " threads and ", table, " bytes (kernel=\"passes\" takes any group)"));
+  if (!fits) return std::nullopt;
+  BackwardTiles& t = plan.tiles;
+  t.rows = p.N * p.G;
+  t.tiles = t.rows;
+  t.row_items = vectors;
+  t.chunk = vectors;
+  t.chunks = 1;
+  plan.threads = int(threads);
+  plan.smem = size_t(table);
+  plan.grid = std::min(t.tiles, kMaxGrid);
+  plan.reason = forced ? "registers requested" : "input smaller than L2, a group fits one CTA";
+  return plan;
+}
+
 }  // namespace
 
-// The stream backward when dx is wanted and the input is at least as large
-// as L2 (smaller inputs are read from L2 the second time anyway: the dx
-// kernels walk the tiles in reverse): contiguous input with 16-byte vectors
-// and rows of whole tiles or more; channels-last input when its units' row
-// fits a block and stream_channels_last_suits. The passes otherwise, and
-// always for the fused forward's backward (p.epilogue).
+// The registers backward when the input is smaller than L2 and a group fits
+// one CTA (registers_backward). The stream backward when dx is wanted and
+// the input is at least as large as L2 (smaller inputs are read from L2 the
+// second time anyway: the dx kernels walk the tiles in reverse): contiguous
+// input with 16-byte vectors and rows of whole tiles or more; channels-last
+// input when its units' row fits a block and stream_channels_last_suits. The
+// passes otherwise, and always for the fused forward's backward
+// (p.epilogue).
 BackwardPlan choose_backward(const Problem& p, bool need_dx, const Request& req) {
   const std::string& k = req.kernel;
-  TORCH_CHECK_VALUE(k == "auto" || k == "passes" || k == "stream",
-                    message("groupnorm backward: kernel must be \"auto\", \"passes\" or "
-                            "\"stream\", got \"",
+  TORCH_CHECK_VALUE(k == "auto" || k == "passes" || k == "stream" || k == "registers",
+                    message("groupnorm backward: kernel must be \"auto\", \"passes\", "
+                            "\"stream\" or \"registers\", got \"",
                             k, "\""));
   TORCH_CHECK_VALUE(req.lag >= 0, message("groupnorm backward: lag must be >= 0, got ", req.lag));
   TORCH_CHECK_VALUE(req.team == 0,
@@ -157,8 +202,11 @@ BackwardPlan choose_backward(const Problem& p, bool need_dx, const Request& req)
                     "groupnorm backward: lag= sets the stream kernel's lag (kernel='stream')");
   TORCH_CHECK_VALUE(k != "stream" || need_dx,
                     "groupnorm backward: the stream kernel needs dx wanted");
-  TORCH_CHECK_VALUE(k != "stream" || !p.epilogue,
+  TORCH_CHECK_VALUE((k != "stream" && k != "registers") || !p.epilogue,
                     "groupnorm backward: the fused backward runs the passes alone");
+  if (k == "registers" || (k == "auto" && !p.epilogue && !p.larger_than_l2())) {
+    if (auto plan = registers_backward(p, k == "registers")) return *plan;
+  }
   const bool automatic = k == "auto" && need_dx && p.larger_than_l2() && !p.epilogue;
   if (!p.channels_last) {
     BackwardPlan plan;
@@ -201,16 +249,21 @@ PlanFields describe(const BackwardPlan& plan, const Problem& p) {
   const BackwardTiles& t = plan.tiles;
   const bool stream =
       plan.kernel == BackwardKernel::Stream || plan.kernel == BackwardKernel::StreamChannelsLast;
-  PlanFields f = {{"kernel", std::string(stream ? "stream" : "passes")},
+  const bool registers = plan.kernel == BackwardKernel::Registers;
+  PlanFields f = {{"kernel", std::string(registers ? "registers"
+                                         : stream  ? "stream"
+                                                   : "passes")},
                   {"layout", std::string(p.channels_last ? "channels_last" : "contiguous")},
                   {"vec", int64_t(plan.vec)},
                   {"grid", plan.grid},
-                  {"threads", int64_t(kBackwardThreads)},
+                  {"threads", int64_t(plan.threads)},
                   {"tiles", t.tiles},
                   {"chunks", t.chunks},
                   {"chunk", t.chunk}};
   if (stream) f.push_back({"lag", plan.lag});
-  if (p.channels_last) {
+  if (registers) {
+    f.push_back({"smem", int64_t(plan.smem)});
+  } else if (p.channels_last) {
     f.push_back({"blocks", int64_t(t.cblocks)});
     f.push_back({"block_cols", int64_t(t.block_cols)});
   } else if (!stream) {
