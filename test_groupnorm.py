@@ -3232,8 +3232,8 @@ def test_gpu_backward_stream_channels_last_kernel(case):
 # The registers backward forced on awkward groups: every vector width of every
 # dtype, either layout, channels-last rows of 3 and 5 vectors (blocks of 96
 # and 160 threads, so that a thread keeps one column), ragged last vectors,
-# G = 1 and G = C, 1-D and 3-D, more units than resident CTAs, and the
-# largest group one CTA holds. Fields: what the plan must hold, so that a
+# G = 1 and G = C, 1-D and 3-D, more units than resident CTAs, the largest
+# group one CTA holds and a table near the shared memory limit. Fields: what the plan must hold, so that a
 # case that stops testing what it says fails.
 BACKWARD_REGISTERS = [  # (shape, groups, dtypes, layout, fields)
     ((2, 12, 9, 11), 3, (BF16, F16, F32, F64), "contiguous", dict(vec=1, threads=128)),
@@ -3252,6 +3252,7 @@ BACKWARD_REGISTERS = [  # (shape, groups, dtypes, layout, fields)
     ((2, 24, 6, 6), 2, (F32,), "channels_last", dict(vec=4, threads=96)),
     ((2, 16, 4, 6, 6), 4, (BF16,), "channels_last", dict(vec=4, threads=64)),  # 3-D
     ((64, 256, 8, 8), 32, (F16,), "channels_last", dict(tiles=2048, vec=8)),
+    ((2, 256, 46, 64), 32, (F16,), "channels_last", dict(vec=8, threads=736, smem=47104)),
 ]
 BACKWARD_REGISTERS_CASES = [(shape, groups, dtype, layout, fields)
                             for shape, groups, dtypes, layout, fields in BACKWARD_REGISTERS
@@ -3290,11 +3291,14 @@ def test_gpu_backward_registers_chosen_below_l2_size(layout):
         w, b = affine(shape[1], dtype, "cuda", "both")
         check_backward(x, groups, w, b, torch.randn_like(x))
         check_backward(x, groups, w, b, torch.randn_like(x), need_dx=False)
-    # a group past one CTA takes the passes, and forcing it names the limit
-    x = make_input((2, 16, 64, 65), F32, layout, "cuda")
-    assert gn.plan(x, 4, backward=True)["kernel"] == "passes"
-    with pytest.raises(ValueError, match="registers kernel holds a group in one CTA"):
-        gn.plan(x, 4, kernel="registers", backward=True)
+    # a group past one CTA takes the passes, and forcing it names the limit;
+    # so does a table of 48 KiB, which with the kernel's scratch passes it
+    for shape, groups, dtype in [((2, 16, 64, 65), 4, F32), ((2, 256, 48, 64), 32, F16)]:
+        x = make_input(shape, dtype, layout, "cuda")
+        assert gn.plan(x, groups, backward=True)["kernel"] == "passes"
+        with pytest.raises(ValueError, match="registers kernel holds a group in one CTA"):
+            gn.plan(x, groups, kernel="registers", backward=True)
+
 
 
 @cuda

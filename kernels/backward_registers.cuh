@@ -16,8 +16,8 @@
 //                 in one column and it adds its lanes' sums in registers;
 //                 channel d's entries are d, d + D, d + 2D, ...
 // A warp then adds each channel's entries, so no atomics: results do not
-// depend on timing. The planner keeps the table within the dynamic shared
-// memory a launch gets without opting in to more.
+// depend on timing. The planner keeps the table and the static scratch
+// within the shared memory a block gets without opting in to more.
 #pragma once
 
 #include "backward_passes.cuh"

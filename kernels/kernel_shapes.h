@@ -42,8 +42,8 @@ constexpr int kStreamBackwardTileVecs = kBackwardThreads * kStreamBackwardItems;
 constexpr int kStreamBackwardBlocksPerSm = 2;
 constexpr int kBackwardRegistersMaxThreads = 1024;
 constexpr int kBackwardRegistersItems = 4;  // vectors of x and of dy a thread holds
-// The registers backward's table of channel sums: what a launch gets without
-// opting in to more dynamic shared memory.
-constexpr int64_t kBackwardRegistersTableBytes = 48 * 1024;
+// The registers backward's shared memory, its table of channel sums and its
+// static scratch together: what a block gets without opting in to more.
+constexpr int64_t kBackwardRegistersSharedBytes = 48 * 1024;
 
 }  // namespace groupnorm

@@ -143,8 +143,9 @@ BackwardPlan passes_channels_last(const Problem& p) {
 // kBackwardRegistersItems vectors of each input a thread, at most
 // kBackwardRegistersMaxThreads threads, for channels-last input a multiple of
 // a row's D / vec vectors (a thread keeps one column), and a table of channel
-// sums within kBackwardRegistersTableBytes. Forced, a group that does not
-// fit is an error.
+// sums that with the kernel's static scratch (two sums a warp) stays within
+// kBackwardRegistersSharedBytes. Forced, a group that does not fit is an
+// error.
 std::optional<BackwardPlan> registers_backward(const Problem& p, bool forced) {
   BackwardPlan plan;
   plan.kernel = BackwardKernel::Registers;
@@ -156,15 +157,17 @@ std::optional<BackwardPlan> registers_backward(const Problem& p, bool forced) {
   const int64_t threads = std::max<int64_t>(1, (per_thread + multiple - 1) / multiple) * multiple;
   const int64_t entries = p.channels_last ? threads * plan.vec : vectors;
   const int64_t table = entries * 2 * p.acc;
+  const int64_t scratch = 2 * (kBackwardRegistersMaxThreads / kWarp) * p.acc;
   const bool fits =
-      threads <= kBackwardRegistersMaxThreads && table <= kBackwardRegistersTableBytes;
+      threads <= kBackwardRegistersMaxThreads && table + scratch <= kBackwardRegistersSharedBytes;
   TORCH_CHECK_VALUE(
       fits || !forced,
       message("groupnorm backward: the registers kernel holds a group in one CTA of at most ",
               kBackwardRegistersMaxThreads, " threads, ", kBackwardRegistersItems,
-              " vectors a thread, with a table of at most ", kBackwardRegistersTableBytes,
-              " bytes; this group of ", vectors, " vectors of ", plan.vec, " elements needs ",
-              threads, " threads and ", table, " bytes (kernel=\"passes\" takes any group)"));
+              " vectors a thread, with a table and scratch of at most ",
+              kBackwardRegistersSharedBytes, " bytes; this group of ", vectors, " vectors of ",
+              plan.vec, " elements needs ", threads, " threads and ", table + scratch,
+              " bytes (kernel=\"passes\" takes any group)"));
   if (!fits) return std::nullopt;
   BackwardTiles& t = plan.tiles;
   t.rows = p.N * p.G;
