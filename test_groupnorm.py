@@ -3232,9 +3232,9 @@ def test_gpu_backward_stream_channels_last_kernel(case):
 # The registers backward forced on awkward groups: every vector width of every
 # dtype, either layout, channels-last rows of 3 and 5 vectors (blocks of 96
 # and 160 threads, so that a thread keeps one column), ragged last vectors,
-# G = 1 and G = C, 1-D and 3-D, more units than resident CTAs, the largest
-# group one CTA holds and a table near the shared memory limit. Fields: what the plan must hold, so that a
-# case that stops testing what it says fails.
+# G = 1 and G = C, 1-D and 3-D, 2,048 units, the largest group one CTA
+# holds and a table near the shared memory limit. Fields: what the plan
+# must hold, so that a case that stops testing what it says fails.
 BACKWARD_REGISTERS = [  # (shape, groups, dtypes, layout, fields)
     ((2, 12, 9, 11), 3, (BF16, F16, F32, F64), "contiguous", dict(vec=1, threads=128)),
     ((2, 12, 10, 15), 3, (BF16, F16, F32, F64), "contiguous", dict(vec=2, threads=96)),
@@ -3300,6 +3300,27 @@ def test_gpu_backward_registers_chosen_below_l2_size(layout):
             gn.plan(x, groups, kernel="registers", backward=True)
 
 
+@cuda
+@pytest.mark.parametrize("kernel", ["passes", "registers"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_backward_kernels_without_dx(kernel, layout):
+    # dweight and dbias alone (no dx written) from each kernel that serves
+    # them, forced through the extension (autograd's plan is the registers
+    # kernel for this input), against float64
+    shape, groups = (2, 32, 7, 9), 4
+    x = make_input(shape, torch.float32, layout, "cuda")
+    w, b = affine(32, torch.float32, "cuda", "both")
+    dy = make_input(shape, torch.float32, layout, "cuda")
+    ext = gn.load()
+    _, mean, rstd = ext.forward(x, w, b, groups, 1e-5, "auto", 0, 0)
+    dx, dw, db = ext.backward(dy, x, mean, rstd, w, groups, False, True, kernel, 0)
+    assert dx.numel() == 0
+    x64, w64, b64 = (t.double().requires_grad_() for t in (x, w, b))
+    y64 = tools.reference_group_norm(x64, groups, w64, b64, 1e-5)
+    ref_w, ref_b = torch.autograd.grad(y64, (w64, b64), dy.double())
+    for mine, ref in ((dw, ref_w), (db, ref_b)):
+        assert tools.max_error(mine, ref) <= 1e-4 * (ref.abs().max().item() + 1), (kernel, mine, ref)
+
 
 @cuda
 def test_gpu_backward_stream_shifted_inputs():
@@ -3313,7 +3334,8 @@ def test_gpu_backward_stream_shifted_inputs():
 @cuda
 def test_gpu_backward_plan_takes_stream_for_large_input():
     """Input at least as large as L2 takes the stream backward through
-    autograd, in either layout; smaller input takes the four launches."""
+    autograd, in either layout; smaller input whose groups do not fit one
+    CTA takes the four launches."""
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     n = max(1, -(-l2 // (64 * 128 * 128 * 4)))
     x = make_input((n, 64, 128, 128), torch.float32, "contiguous", "cuda")
@@ -3382,7 +3404,8 @@ def test_gpu_backward_misaligned_grad_output():
     assert plan["vec"] == 8, plan
     dy = torch.randn(x.numel() + 1, device="cuda", dtype=x.dtype)[1:].view(x.shape)
     w, b = affine(64, x.dtype, "cuda", "both")
-    check_backward(x, 4, w, b, dy)
+    check_backward(x, 4, w, b, dy)  # the registers kernel, at scalar width
+    check_backward(x, 4, w, b, dy, kernel="passes")
 
 
 @cuda

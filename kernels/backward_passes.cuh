@@ -23,8 +23,10 @@
 // backward_stream_channels_last.cuh instead, which do steps 1, 2 and 4 in one
 // launch and read each tile the second time soon after the first. mean and
 // rstd come from the forward: nothing else is saved. No atomics: results do
-// not depend on timing. With kFused the passes are the backward of the
-// fused forward as well (backward_epilogue.cuh): the stream kernels are not.
+// not depend on timing. Plain inputs smaller than L2 whose groups fit one
+// CTA take the registers kernel (backward_registers.cuh) instead, in one
+// launch. With kFused the passes are the backward of the fused forward as
+// well (backward_epilogue.cuh): the stream and registers kernels are not.
 //
 // Tiles (chosen by choose_backward on the host):
 //   contiguous    rows of HxW (one per (sample, channel)); a row of at most
