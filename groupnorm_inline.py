@@ -1117,7 +1117,7 @@ def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False, fused=False
     returns it. fused=True or an `activation` (as group_norm's): the plan of
     a call with an epilogue (scale, shift, residual, an (N, C) add, the
     activation); a chain other than SiLU or ReLU alone never takes the
-    registers kernel, which has no call for one. A residual whose address
+    forward's registers kernel, which has no call for one. A residual whose address
     allows narrower vectors than x's narrows them. Its "store" names the
     kernel's copy for the call without a residual: "none" (no activation;
     also the plain kernel's, without fused or an activation), "silu" or
@@ -1127,17 +1127,20 @@ def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False, fused=False
 
     With backward=True, the backward's kernel and tiling for x (and a
     grad_output laid out like it, dx wanted): there kernel is "auto",
-    "passes" (four launches), "stream" (one launch; either layout) or
-    "registers" (one launch, a group a CTA: groups of a few thousand
-    vectors), lag the stream kernel's lag in tiles, and there is no team.
+    "passes" (four launches), "stream" (one launch; either layout; not
+    fused) or "registers" (one launch, a group a CTA: groups of a few
+    thousand vectors), lag the stream kernel's lag in tiles, and there is no
+    team. fused=True or an activation: the fused backward's plan (a chain
+    other than SiLU or ReLU alone is taken back by the chain kernel first,
+    and takes the passes unless the registers kernel is forced).
     """
     groups, _ = _check_cuda_arguments("plan", x, groups, None, None, 0.0)
+    codes = [_ACTIVATION_CODES[name] for name, _ in _activation_steps("plan", activation)]
     if backward:
         if team:
             raise GroupNormError(f"plan: the backward has no teams, got team={team} "
                                  "(its stream kernel's lag is `lag`)")
-        return load().backward_plan(x, groups, kernel, lag)
-    codes = [_ACTIVATION_CODES[name] for name, _ in _activation_steps("plan", activation)]
+        return load().backward_plan(x, groups, kernel, lag, bool(fused), codes)
     return load().plan(x, groups, kernel, team, lag, bool(fused), codes)
 
 

@@ -317,8 +317,8 @@ def test_forcing_arguments_reach_the_extension(monkeypatch):
             calls.append(("plan", kernel, team, lag, epilogue, activations))
             return {"kernel": "contiguous"}
 
-        def backward_plan(self, x, groups, kernel, lag):
-            calls.append(("backward_plan", kernel, lag))
+        def backward_plan(self, x, groups, kernel, lag, epilogue, activations):
+            calls.append(("backward_plan", kernel, lag, epilogue, activations))
             return {"kernel": "stream"}
 
     monkeypatch.setattr(gn, "load", Extension)
@@ -328,12 +328,15 @@ def test_forcing_arguments_reach_the_extension(monkeypatch):
     gn.groupnorm_cuda(x, None, None, 2, kernel="stream", lag=5)
     assert gn.plan(x, 2, kernel="channels_last", team=4) == {"kernel": "contiguous"}
     assert gn.plan(x, 2, kernel="stream", lag=7, backward=True) == {"kernel": "stream"}
+    gn.plan(x, 2, kernel="registers", backward=True, activation="gelu")
     gn.plan(x, 2, fused=True)
     gn.plan(x, 2, activation=("silu", ("leaky_relu", 0.1)))
     silu, leaky = (gn._ACTIVATION_CODES[name] for name in ("silu", "leaky_relu"))
     assert calls == [("forward", "auto", 0, 0), ("forward", "contiguous", 3, 0),
                      ("forward", "stream", 0, 5), ("plan", "channels_last", 4, 0, False, []),
-                     ("backward_plan", "stream", 7), ("plan", "auto", 0, 0, True, []),
+                     ("backward_plan", "stream", 7, False, []),
+                     ("backward_plan", "registers", 0, False, [gn._ACTIVATION_CODES["gelu"]]),
+                     ("plan", "auto", 0, 0, True, []),
                      ("plan", "auto", 0, 0, False, [silu, leaky])]
     with pytest.raises(ValueError, match="the backward has no teams"):
         gn.plan(x, 2, team=2, backward=True)
@@ -3259,10 +3262,14 @@ BACKWARD_REGISTERS_CASES = [(shape, groups, dtype, layout, fields)
                             for dtype in dtypes]
 
 
+def layout_case_id(case):
+    """layout-shape-Ggroups-dtype of a (shape, groups, dtype, layout, fields) case."""
+    shape, groups, dtype, layout, _ = case
+    return f"{layout}-{shape_id((shape, groups))}-{str(dtype)[6:]}"
+
+
 @cuda
-@pytest.mark.parametrize("case", BACKWARD_REGISTERS_CASES,
-                         ids=[f"{c[3]}-{shape_id(c[:2])}-{str(c[2])[6:]}"
-                              for c in BACKWARD_REGISTERS_CASES])
+@pytest.mark.parametrize("case", BACKWARD_REGISTERS_CASES, ids=layout_case_id)
 def test_gpu_backward_registers_kernel(case):
     shape, groups, dtype, layout, fields = case
     x = make_input(shape, dtype, layout, "cuda")
@@ -4906,11 +4913,11 @@ def test_gpu_epilogue_under_torch_compile():
 
 
 def epilogue_leaves(x, w, b, args):
-    """x, w, b and the epilogue's tensors as fresh leaves that want gradients,
-    and the epilogue's arguments over them."""
+    """x, w, b (either may be None: no leaf) and the epilogue's tensors as
+    fresh leaves that want gradients, and the epilogue's arguments over them."""
     leaves = {"input": x, "weight": w, "bias": b,
               **{k: v for k, v in args.items() if isinstance(v, torch.Tensor)}}
-    leaves = {k: v.detach().clone().requires_grad_() for k, v in leaves.items()}
+    leaves = {k: v.detach().clone().requires_grad_() for k, v in leaves.items() if v is not None}
     return leaves, {**args, **{k: leaves[k] for k in args if isinstance(args[k], torch.Tensor)}}
 
 
@@ -4943,11 +4950,12 @@ def off_kinks(dy, x, weight, bias, args, groups=8, eps=1e-5):
 def fused_gradients(x, w, b, args, dy, groups):
     """Every gradient of the fused call (ours) and of the unfused torch
     sequence in x's dtype (theirs) and in float64 (exact). args: the
-    epilogue's options, add included."""
+    epilogue's options, add included; w and b may be None."""
     def gradients(fn, cast):
-        leaves, call_args = epilogue_leaves(cast(x), cast(w), cast(b), {
-            k: cast(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()})
-        y = fn(leaves["input"], leaves["weight"], leaves["bias"], call_args)
+        leaves, call_args = epilogue_leaves(cast(x), *(None if t is None else cast(t) for t in (w, b)),
+                                            {k: cast(v) if isinstance(v, torch.Tensor) else v
+                                             for k, v in args.items()})
+        y = fn(leaves["input"], leaves.get("weight"), leaves.get("bias"), call_args)
         return dict(zip(leaves, torch.autograd.grad(y, list(leaves.values()), cast(dy))))
 
     def torch_sequence(t, weight, bias, call_args):
@@ -4973,6 +4981,130 @@ def assert_as_close_as_torch(ours, theirs, exact, dtype):
         slack = 4 * torch.finfo(dtype).eps * max(ref.abs().max().item(), 1e-30) + 1e-12
         error, torch_error = tools.max_error(ours[key], ref), tools.max_error(theirs[key], ref)
         assert error <= factor * torch_error + slack, (key, error, torch_error)
+
+
+def forced_fused_gradients(x, w, b, args, dy, groups, kernel, need_dx=True, need_affine=True):
+    """The fused backward's gradients of input (need_dx), weight and bias
+    (need_affine, where given) and of the scale, shift and (N, C) add that
+    args holds, from the extension with its kernel forced; the statistics
+    from the extension's fused forward. The residual's gradient (dy) is not
+    the kernels'."""
+    ext = gn.load()
+    steps = gn._activation_steps("test", args.get("activation"))
+    codes = [gn._ACTIVATION_CODES[name] for name, _ in steps]
+    slope = next((v for _, v in steps if v is not None), 0.01)
+    scale, shift, add = (args.get(k) for k in ("scale", "shift", "add"))
+    _, mean, rstd = ext.forward_fused(x, w, b, groups, 1e-5, "auto", 0, 0, scale, shift, None,
+                                      codes, slope, add)
+    grads = ext.backward_fused(dy, x, mean, rstd, w, b, groups, scale, shift, codes, slope, add,
+                               need_dx, need_affine, scale is not None, shift is not None,
+                               add is not None, kernel)
+    wanted = {"input": need_dx, "weight": need_affine and w is not None,
+              "bias": need_affine and b is not None, **{k: k in args for k in ("scale", "shift", "add")}}
+    return {k: g for k, g in zip(wanted, grads) if wanted[k]}
+
+
+# Shapes for the fused registers backward, forced (16-byte vectors, at most
+# 512 threads, a table of three sums an entry): each layout's thread and
+# table arrangements, one channel a group and one group, a 1-D and a 3-D
+# input, and the largest groups it takes. Fields: what the plan must hold.
+FUSED_BACKWARD_REGISTERS = [  # (shape, groups, dtypes, layout, fields)
+    ((2, 32, 8, 8), 8, (BF16, F16, F32, F64), "contiguous", dict(threads=32)),
+    ((3, 40, 16, 16), 4, (F16,), "contiguous", dict(vec=8, threads=96)),
+    ((2, 8, 16, 16), 8, (F32,), "contiguous", dict(vec=4, threads=32, tiles=16)),  # G = C
+    ((2, 16, 8, 8), 1, (BF16,), "contiguous", dict(vec=8, tiles=2)),  # G = 1
+    ((4, 16, 100), 4, (F32,), "contiguous", dict(vec=4)),  # 1-D
+    ((2, 8, 64, 64), 4, (F32,), "contiguous", dict(threads=512, smem=24576)),  # largest
+    ((2, 32, 10, 10), 8, (F32,), "channels_last", dict(vec=4, threads=32)),
+    ((2, 64, 10, 10), 8, (BF16, F16), "channels_last", dict(vec=8, threads=32)),
+    ((2, 80, 8, 8), 2, (BF16, F16), "channels_last", dict(vec=8, threads=160)),
+    ((2, 16, 9, 11), 4, (F64,), "channels_last", dict(vec=2, threads=64)),
+    ((2, 16, 4, 6, 6), 2, (BF16,), "channels_last", dict(vec=8, threads=64)),  # 3-D
+    ((2, 256, 30, 32), 16, (F16,), "channels_last", dict(threads=480, smem=46080)),  # largest
+]
+FUSED_BACKWARD_REGISTERS_CASES = [
+    (shape, groups, dtype, layout, fields)
+    for shape, groups, dtypes, layout, fields in FUSED_BACKWARD_REGISTERS for dtype in dtypes]
+# SiLU with every small input (taken back inline), GELU (the chain kernel
+# first) with scale, a leaky ReLU with add and shift, add alone
+FUSED_BACKWARD_FORMS = [
+    dict(activation="silu", scale=True, shift=True, add=True),
+    dict(activation="gelu", scale=True),
+    dict(activation=("leaky_relu", 0.2), shift=True, add=True),
+    dict(add=True),
+]
+
+
+@cuda
+@pytest.mark.parametrize("case", FUSED_BACKWARD_REGISTERS_CASES, ids=layout_case_id)
+def test_gpu_fused_backward_registers_kernel(case):
+    # every gradient of each form from the registers kernel and from the
+    # passes, forced, against the unfused torch sequence in float64
+    shape, groups, dtype, layout, fields = case
+    x = make_input(shape, dtype, layout, "cuda", shift=1.0)
+    plan = gn.plan(x, groups, kernel="registers", backward=True, fused=True)
+    assert plan["kernel"] == "registers" and plan["layout"] == layout and plan_has(plan, fields), \
+        (fields, plan)
+    N, C = shape[:2]
+    w, b = affine(C, dtype, "cuda", "both")
+    for form in FUSED_BACKWARD_FORMS:
+        args = epilogue_tensors(x, form)
+        if form.get("add"):
+            args["add"] = torch.randn(N, C, device="cuda").to(dtype)
+        total = x + broadcast_add(args["add"], x) if "add" in args else x
+        dy = off_kinks(torch.randn_like(x), total, w, b,
+                       {k: v for k, v in args.items() if k != "add"}, groups)
+        _, theirs, exact = fused_gradients(x, w, b, args, dy, groups)
+        for kernel in ("registers", "passes"):
+            forced = forced_fused_gradients(x, w, b, args, dy, groups, kernel)
+            assert set(forced) == set(exact), (forced.keys(), exact.keys())
+            assert_as_close_as_torch(forced, theirs, exact, dtype)
+    # ReLU, no weight or bias, and the small tensors' gradients alone (no dx
+    # written: the sums and dadd without the dx pass)
+    args = dict(epilogue_tensors(x, dict(activation="relu", scale=True, shift=True)),
+                add=torch.randn(N, C, device="cuda").to(dtype))
+    dy = off_kinks(torch.randn_like(x), x + broadcast_add(args["add"], x), None, None,
+                   {k: v for k, v in args.items() if k != "add"}, groups)
+    _, theirs, exact = fused_gradients(x, None, None, args, dy, groups)
+    for kernel in ("registers", "passes"):
+        forced = forced_fused_gradients(x, None, None, args, dy, groups, kernel, need_dx=False)
+        assert set(forced) == {"scale", "shift", "add"}, forced.keys()
+        assert_as_close_as_torch(forced, theirs, {k: exact[k] for k in forced}, dtype)
+
+
+@cuda
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_fused_backward_takes_registers_below_l2_size(layout):
+    # autograd's fused backward takes the registers kernel where the plain
+    # one does (16-byte vectors), shifted input included, unless the chain
+    # kernel runs first; elsewhere the passes, and forcing the registers
+    # kernel names the limit
+    for shape, groups, dtype in [((2, 1280, 16, 16), 32, F16), ((8, 1280, 8, 8), 32, BF16),
+                                 ((4, 32, 8, 8), 8, F32)]:
+        x = make_input(shape, dtype, layout, "cuda", shift=1000.0)
+        assert gn.plan(x, groups, backward=True, activation="silu")["kernel"] == "registers"
+        assert gn.plan(x, groups, backward=True, fused=True)["kernel"] == "registers"
+        assert gn.plan(x, groups, backward=True, activation="gelu")["kernel"] == "passes"
+        N, C = shape[:2]
+        w, b = affine(C, dtype, "cuda", "both")
+        args = dict(activation="silu", scale=0.5 * torch.randn(N, C, device="cuda").to(dtype),
+                    add=torch.randn(N, C, device="cuda").to(dtype))
+        dy = torch.randn_like(x)
+        ours, theirs, exact = fused_gradients(x, w, b, args, dy, groups)
+        assert_as_close_as_torch(ours, theirs, exact, dtype)
+        # autograd ran the registers kernel: bitwise its forced gradients (no atomics)
+        forced = forced_fused_gradients(x, w, b, args, dy, groups, "registers")
+        assert all(torch.equal(ours[k], forced[k]) for k in forced), \
+            [k for k in forced if not torch.equal(ours[k], forced[k])]
+    for shape, groups, dtype, limit in [((2, 16, 64, 65), 4, F32, "holds a group in one CTA"),
+                                        ((2, 12, 9, 11), 3, F16, "takes 16-byte vectors")]:
+        x = make_input(shape, dtype, layout, "cuda")
+        assert gn.plan(x, groups, backward=True, fused=True)["kernel"] == "passes"
+        with pytest.raises(ValueError, match=f"fused registers kernel {limit}"):
+            gn.plan(x, groups, kernel="registers", backward=True, fused=True)
+    x = make_input((2, 32, 8, 8), F32, layout, "cuda")
+    with pytest.raises(ValueError, match="the fused backward has no stream kernel"):
+        gn.plan(x, 8, kernel="stream", backward=True, fused=True)
 
 
 @cuda
@@ -5077,7 +5209,11 @@ def test_gpu_fused_backward_over_chunked_tiles(activation, dtype, shift, shape, 
     total = x + broadcast_add(args["add"], x)
     kinks = {k: v for k, v in args.items() if k != "add"}
     dy = off_kinks(torch.randn_like(x), total, w, b, kinks)
-    assert_as_close_as_torch(*fused_gradients(x, w, b, args, dy, 8), dtype)
+    ours, theirs, exact = fused_gradients(x, w, b, args, dy, 8)
+    assert_as_close_as_torch(ours, theirs, exact, dtype)
+    # the 1-D rows' groups fit the registers kernel: autograd's plan; the passes forced
+    forced = forced_fused_gradients(x, w, b, args, dy, 8, "passes")
+    assert_as_close_as_torch(forced, theirs, {k: exact[k] for k in forced}, dtype)
 
 
 @cuda
@@ -5274,10 +5410,9 @@ UNLAUNCHED_ELSEWHERE = [  # (direction, shape, groups, dtypes, layout, kernel, l
 ]
 # The fused backward's passes (16-byte vectors or single elements,
 # plan_backward.cpp) and its chain kernel at the widths and dtypes no other
-# test reaches, against torch's sequence: SiLU (taken back in the passes)
-# and GELU (the chain kernel first). The plain plan's width is the fused
-# one's wherever it is 16 bytes or one element, so a row that stops
-# reaching its width fails.
+# test reaches, forced (autograd's plan for some is the registers kernel),
+# against torch's sequence: SiLU (taken back in the passes) and GELU (the
+# chain kernel first). A row that stops reaching its width fails.
 FUSED_BACKWARD_WIDTHS = [  # (shape, groups, dtypes, layout, vec)
     ((2, 8, 9, 11), 2, (F16,), "contiguous", 1),  # odd HxW
     ((2, 8, 8, 8), 2, (F16, F64), "contiguous", None),  # 16 bytes
@@ -5294,14 +5429,16 @@ FUSED_BACKWARD_WIDTH_CASES = [(shape, groups, dtype, layout, vec or 16 // dtype.
                          ids=lambda v: str(v)[6:] if isinstance(v, torch.dtype) else str(v))
 def test_gpu_fused_backward_at_every_width(shape, groups, dtype, layout, vec):
     x = make_input(shape, dtype, layout, "cuda", shift=1.0)
-    assert gn.plan(x, groups, backward=True, kernel="passes")["vec"] == vec
+    assert gn.plan(x, groups, backward=True, kernel="passes", fused=True)["vec"] == vec
     N, C = shape[:2]
     w, b = affine(C, dtype, "cuda", "both")
     for activation in ("silu", "gelu"):
         args = dict(activation=activation,
                     scale=0.5 * torch.randn(N, C, device="cuda").to(dtype))
-        assert_as_close_as_torch(*fused_gradients(x, w, b, args, torch.randn_like(x), groups),
-                                 dtype)
+        dy = torch.randn_like(x)
+        _, theirs, exact = fused_gradients(x, w, b, args, dy, groups)
+        forced = forced_fused_gradients(x, w, b, args, dy, groups, "passes")
+        assert_as_close_as_torch(forced, theirs, exact, dtype)
 
 
 UNLAUNCHED_ELSEWHERE_CASES = [(direction, shape, groups, dtype, layout, kernel, n, fields)

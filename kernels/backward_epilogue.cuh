@@ -1,5 +1,6 @@
 // The backward of the fused forward (epilogue.cuh), inside the backward's
-// passes (backward_passes.cuh). With s = x + add, z = GN(s) * gamma * (1 +
+// passes (backward_passes.cuh) and registers kernel (backward_registers.cuh).
+// With s = x + add, z = GN(s) * gamma * (1 +
 // scale) + shift = (s - mean) * a + b (channel_affine folds scale and shift
 // into a and b) and y = act(z) (+ residual), the kernels take dy and x as the
 // plain backward does and recompute, per element, s and
@@ -9,8 +10,8 @@
 // coefficients kernel multiplies each channel's sums by (1 + scale) before
 // the group's, so that
 //   dshift[n, c] = sum(g)
-//   dscale[n, c] = sum(g * (xhat * gamma + beta)) = gamma * rstd * sum(g * (s - mean)) + beta * sum(g)
-//   dadd[n, c]   = sum(dx) = alpha * sum(g) - HxW * k1 - k2 * sum(s - mean)
+//   dscale[n, c] = sum(g * (xhat * gamma + beta)) = gamma * rstd * sum(g * (s - mean)) + beta *
+//   sum(g) dadd[n, c]   = sum(dx) = alpha * sum(g) - HxW * k1 - k2 * sum(s - mean)
 // (alpha, k1, k2: the dx coefficients, Coef), the last needing a third sum,
 // of s - mean, which the sums kernels add only when add's gradient is wanted.
 // The residual's gradient is dy itself. Nothing of full size is saved or
@@ -45,6 +46,32 @@ __device__ __forceinline__ bool wants_x_sums(const BackwardEpilogue<scalar_t, kF
   } else {
     return false;
   }
+}
+
+template <typename scalar_t, bool kFused>
+__device__ __forceinline__ bool wants_add_gradient(const BackwardEpilogue<scalar_t, kFused>& ep) {
+  if constexpr (kFused) {
+    return ep.dadd != nullptr;
+  } else {
+    return false;
+  }
+}
+
+// Channel c of sample n from its sums of g (t_dy) and of g * (s - mean)
+// (t_dyx): dshift and dscale where wanted. Returns 1 + scale[n, c], by which
+// both sums then enter the group's sums and the affine partials.
+template <typename scalar_t>
+__device__ __forceinline__ acc_t<scalar_t> store_scale_shift_gradients(
+    const BackwardEpilogue<scalar_t, true>& ep, int64_t n, int64_t c, acc_t<scalar_t> weight,
+    acc_t<scalar_t> rstd, acc_t<scalar_t> t_dy, acc_t<scalar_t> t_dyx) {
+  using A = acc_t<scalar_t>;
+  const int64_t nc = n * ep.forward.C + c;
+  if (ep.dshift != nullptr) ep.dshift[nc] = static_cast<scalar_t>(t_dy);
+  if (ep.dscale != nullptr) {
+    const A b = ep.beta != nullptr ? static_cast<A>(ep.beta[c]) : A(0);
+    ep.dscale[nc] = static_cast<scalar_t>(weight * rstd * t_dyx + b * t_dy);
+  }
+  return ep.forward.scale != nullptr ? A(1) + static_cast<A>(ep.forward.scale[nc]) : A(1);
 }
 
 // What the forward computed for one channel of one sample: the add, the
@@ -148,11 +175,12 @@ __device__ __forceinline__ void recompute_values(const Vec<scalar_t, V>& dy,
   }
 }
 
-// recompute_values, then g = dy * act'(z) for the chains the passes take
-// themselves: none, or SiLU or ReLU alone, inline. Any other chain is taken
-// back by the chain kernel first, whose g the passes then read as dy
-// (launch_backward.cu): the call a chain needs raised every fused pass's
-// registers by a third to a half, whatever the call's form.
+// recompute_values, then g = dy * act'(z) for the chains the passes and
+// the registers kernel take themselves: none, or SiLU or ReLU alone,
+// inline. Any other chain is taken back by the chain kernel first, whose g
+// they then read as dy (launch_backward.cu): the call a chain needs raised
+// every fused pass's registers by a third to a half, whatever the call's
+// form.
 template <typename scalar_t, int V, typename Of>
 __device__ __forceinline__ void recompute_lanes(const Vec<scalar_t, V>& dy,
                                                 const Vec<scalar_t, V>& x,

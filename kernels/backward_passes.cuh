@@ -23,10 +23,12 @@
 // backward_stream_channels_last.cuh instead, which do steps 1, 2 and 4 in one
 // launch and read each tile the second time soon after the first. mean and
 // rstd come from the forward: nothing else is saved. No atomics: results do
-// not depend on timing. Plain inputs smaller than L2 whose groups fit one
-// CTA take the registers kernel (backward_registers.cuh) instead, in one
-// launch. With kFused the passes are the backward of the fused forward as
-// well (backward_epilogue.cuh): the stream and registers kernels are not.
+// not depend on timing. Inputs smaller than L2 whose groups fit one CTA
+// take the registers kernel (backward_registers.cuh) instead, in one launch
+// (fused ones with 16-byte vectors, unless the chain kernel runs first).
+// With kFused the passes are the backward of the fused forward as well
+// (backward_epilogue.cuh), as the registers kernel is; the stream kernels
+// are not.
 //
 // Tiles (chosen by choose_backward on the host):
 //   contiguous    rows of HxW (one per (sample, channel)); a row of at most
@@ -453,16 +455,10 @@ __device__ void unit_coefficients(const acc_t<scalar_t>* partial,            // 
   const auto store = [&](int d, A t_dy, A t_dyx) {
     const int c = c0 + d;
     if constexpr (kFused) {
-      const int64_t nc = n * C + c;
-      if (ep.dshift != nullptr) ep.dshift[nc] = static_cast<scalar_t>(t_dy);
-      if (ep.dscale != nullptr) {
-        const A b = ep.beta != nullptr ? static_cast<A>(ep.beta[c]) : A(0);
-        ep.dscale[nc] = static_cast<scalar_t>(weight(c) * rs * t_dyx + b * t_dy);
-      }
-      const A m = modulation(c);
+      const A m = store_scale_shift_gradients(ep, n, c, weight(c), rs, t_dy, t_dyx);
       t_dy *= m;
       t_dyx *= m;
-      if (ep.channel_sums != nullptr) ep.channel_sums[nc * 2] = weight(c) * t_dy;
+      if (ep.channel_sums != nullptr) ep.channel_sums[(n * C + c) * 2] = weight(c) * t_dy;
     }
     if (affine_pairs != nullptr) store_pair(affine_pairs + (n * C + c) * 2, t_dy, t_dyx * rs);
     s1 += weight(c) * t_dy;

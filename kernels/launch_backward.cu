@@ -1,8 +1,8 @@
-// Launchers of the backward: the four-launch passes (backward_passes.cuh),
-// plain or fused (backward_epilogue.cuh), the stream kernels
-// (backward_stream*.cuh, plain) and the registers kernel
-// (backward_registers.cuh, plain), each followed, when dgamma and dbeta are
-// wanted, by the affine kernel. Every temporary of a backward comes from one
+// Launchers of the backward: the four-launch passes (backward_passes.cuh)
+// and the registers kernel (backward_registers.cuh), plain or fused
+// (backward_epilogue.cuh), and the stream kernels (backward_stream*.cuh,
+// plain), each followed, when dgamma and dbeta are wanted, by the affine
+// kernel. Every temporary of a backward comes from one
 // allocation, but the chain kernel's g (a second) and the stream kernels'
 // counters (left zeroed by the kernels).
 #include <string>
@@ -82,25 +82,7 @@ void launch_backward_stream(const BackwardPlan& plan, const Problem& p, const Ba
   if (need_affine) launch_affine<scalar_t>(affine_pairs, p, a, stream);
 }
 
-template <typename scalar_t>
-void launch_backward_registers(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
-                               WorkspaceAllocator& alloc, cudaStream_t stream) {
-  using A = acc_t<scalar_t>;
-  const bool need_affine = a.dgamma != nullptr;
-  A* affine_pairs =
-      need_affine ? reinterpret_cast<A*>(alloc.allocate(2 * p.N * p.C * sizeof(A))) : nullptr;
-  const TypedBackward<scalar_t> g(a);
-  LaunchShape shape{plan.grid, plan.threads};
-  shape.smem = plan.smem;
-  with_vec<scalar_t, 16>(plan.vec, [&](auto v) {
-    launch_kernel(&groupnorm_backward_registers_kernel<scalar_t, decltype(v)::value>, shape, stream,
-                  g.dy, g.x, g.mean, g.rstd, g.gamma, affine_pairs, g.dx, p.N, int(p.HxW), p.C, p.G,
-                  int(p.D()), p.channels_last);
-  });
-  if (need_affine) launch_affine<scalar_t>(affine_pairs, p, a, stream);
-}
-
-// The passes' epilogue argument: the fused backward's tensors and the
+// The fused kernels' epilogue argument: the fused backward's tensors and the
 // workspace it sums into, or nothing.
 template <typename scalar_t, bool kFused>
 BackwardEpilogue<scalar_t, kFused> backward_epilogue(const BackwardArgs& a,
@@ -141,8 +123,8 @@ void with_passes_vec(int v, F&& f) {
 }
 
 // The chain kernel's g = dy * act'(z) in a temporary of x's size, and the
-// arguments that have the fused passes read it as dy, with no activation of
-// their own.
+// arguments that have the fused passes or registers kernel read it as dy,
+// with no activation of their own.
 template <typename scalar_t>
 BackwardArgs with_chain_taken_back(const BackwardPlan& plan, const Problem& p, BackwardArgs a,
                                    WorkspaceAllocator& alloc, cudaStream_t stream) {
@@ -160,6 +142,47 @@ BackwardArgs with_chain_taken_back(const BackwardPlan& plan, const Problem& p, B
   a.dy = g;
   a.epilogue.activations = 0;
   return a;
+}
+
+// The registers kernel, plain or fused (after the chain kernel, for a chain
+// it does not take back inline), on the plan's vectors: any width for the
+// plain kernel, 16 bytes for the fused one (registers_backward).
+template <typename scalar_t, bool kFused>
+void launch_backward_registers(const BackwardPlan& plan, const Problem& p,
+                               const BackwardArgs& given, WorkspaceAllocator& alloc,
+                               cudaStream_t stream) {
+  using A = acc_t<scalar_t>;
+  BackwardArgs a = given;
+  if constexpr (kFused) {
+    if (!a.epilogue.inline_chain()) a = with_chain_taken_back<scalar_t>(plan, p, a, alloc, stream);
+  }
+  const bool need_affine = a.dgamma != nullptr;
+  const bool need_add = kFused && a.dadd != nullptr;
+  WorkspaceLayout layout;
+  const int64_t affine_at = layout.add<A>(need_affine ? 2 * p.N * p.C : 0);
+  const int64_t channel_sums_at = layout.add<A>(need_add ? 2 * p.N * p.C : 0);
+  uint8_t* base = layout.bytes > 0 ? alloc.allocate(layout.bytes) : nullptr;
+  A* affine_pairs = need_affine ? reinterpret_cast<A*>(base + affine_at) : nullptr;
+  const auto ep = backward_epilogue<scalar_t, kFused>(
+      a, nullptr, need_add ? reinterpret_cast<A*>(base + channel_sums_at) : nullptr);
+  const TypedBackward<scalar_t> g(a);
+  LaunchShape shape{plan.grid, plan.threads};
+  shape.smem = plan.smem;
+  const auto launch = [&](auto v) {
+    launch_kernel(&groupnorm_backward_registers_kernel<scalar_t, decltype(v)::value, kFused>, shape,
+                  stream, g.dy, g.x, g.mean, g.rstd, g.gamma, affine_pairs, g.dx, p.N, int(p.HxW),
+                  p.C, p.G, int(p.D()), p.channels_last, ep);
+  };
+  if constexpr (kFused) {
+    constexpr int kWidest = int(16 / sizeof(scalar_t));
+    GROUPNORM_CHECK(plan.vec == kWidest, "groupnorm backward: the fused registers kernel takes " +
+                                             std::to_string(kWidest) + " elements a vector, got " +
+                                             std::to_string(plan.vec));
+    launch(std::integral_constant<int, kWidest>{});
+  } else {
+    with_vec<scalar_t, 16>(plan.vec, launch);
+  }
+  if (need_affine) launch_affine<scalar_t>(affine_pairs, p, a, stream);
 }
 
 template <typename scalar_t, bool kFused>
@@ -234,21 +257,25 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
   });
 }
 
-// Each translation unit builds the plain backward (both launchers) or the
-// fused one (the passes), as GROUPNORM_EPILOGUES says.
+// Each translation unit builds the plain backward (its three launchers) or
+// the fused one (the registers kernel and the passes), as
+// GROUPNORM_EPILOGUES says.
 #define GROUPNORM_INSTANTIATE_BACKWARD_false(T)                                                    \
   template const void* backward_stream_kernel<T>(bool, int);                                       \
   template void launch_backward_stream<T>(const BackwardPlan&, const Problem&,                     \
                                           const BackwardArgs&, WorkspaceAllocator&, cudaStream_t); \
-  template void launch_backward_registers<T>(const BackwardPlan&, const Problem&,                  \
-                                             const BackwardArgs&, WorkspaceAllocator&,             \
-                                             cudaStream_t);                                        \
+  template void launch_backward_registers<T, false>(const BackwardPlan&, const Problem&,           \
+                                                    const BackwardArgs&, WorkspaceAllocator&,      \
+                                                    cudaStream_t);                                 \
   template void launch_backward_passes<T, false>(const BackwardPlan&, const Problem&,              \
                                                  const BackwardArgs&, WorkspaceAllocator&,         \
                                                  cudaStream_t);
-#define GROUPNORM_INSTANTIATE_BACKWARD_true(T)                                            \
-  template void launch_backward_passes<T, true>(const BackwardPlan&, const Problem&,      \
-                                                const BackwardArgs&, WorkspaceAllocator&, \
+#define GROUPNORM_INSTANTIATE_BACKWARD_true(T)                                               \
+  template void launch_backward_registers<T, true>(const BackwardPlan&, const Problem&,      \
+                                                   const BackwardArgs&, WorkspaceAllocator&, \
+                                                   cudaStream_t);                            \
+  template void launch_backward_passes<T, true>(const BackwardPlan&, const Problem&,         \
+                                                const BackwardArgs&, WorkspaceAllocator&,    \
                                                 cudaStream_t);
 #define GROUPNORM_INSTANTIATE_BACKWARD(T, fused) GROUPNORM_INSTANTIATE_BACKWARD_##fused(T)
 #define GROUPNORM_INSTANTIATE_BACKWARDS(T) GROUPNORM_EPILOGUES(GROUPNORM_INSTANTIATE_BACKWARD, T)

@@ -36,7 +36,8 @@ struct EpilogueArgs {
   }
   // No activation, or SiLU or ReLU alone: what the kernels apply inline,
   // without calling `activate` (epilogue.cuh), the registers kernel too, and
-  // what the fused backward's passes take back themselves (recompute_lanes).
+  // what the fused backward's passes and registers kernel take back
+  // themselves (recompute_lanes).
   bool inline_chain() const {
     return activations == 0 ||
            (activations == 1 && (chain[0] == Activation::SiLU || chain[0] == Activation::ReLU));
@@ -125,7 +126,7 @@ void launch_backward_passes(const BackwardPlan& plan, const Problem& p, const Ba
 template <typename scalar_t>
 void launch_backward_stream(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
                             WorkspaceAllocator& workspace, cudaStream_t stream);
-template <typename scalar_t>
+template <typename scalar_t, bool kFused>
 void launch_backward_registers(const BackwardPlan& plan, const Problem& p, const BackwardArgs& a,
                                WorkspaceAllocator& workspace, cudaStream_t stream);
 

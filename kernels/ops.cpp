@@ -415,7 +415,8 @@ at::Tensor sums_output(bool wanted, c10::IntArrayRef sizes, bool over_nothing,
 }
 
 // Plans and launches a backward whose outputs are allocated: the plain
-// passes, stream or registers kernel, or the fused passes (problem.epilogue).
+// passes, stream or registers kernel, or the fused passes or registers
+// kernel (problem.epilogue).
 void run_backward(Problem both, const at::Tensor& dyk, bool need_dx, const BackwardArgs& args,
                   const std::string& kernel, int64_t lag, const at::Tensor& like) {
   both.addr |= reinterpret_cast<uintptr_t>(dyk.data_ptr());  // vectors must suit x and dy
@@ -430,9 +431,9 @@ void run_backward(Problem both, const at::Tensor& dyk, bool need_dx, const Backw
           plan.kernel == BackwardKernel::StreamChannelsLast) {
         return launch_backward_stream<scalar_t>(plan, both, args, workspace, stream);
       }
-      if (plan.kernel == BackwardKernel::Registers) {
-        return launch_backward_registers<scalar_t>(plan, both, args, workspace, stream);
-      }
+    }
+    if (plan.kernel == BackwardKernel::Registers) {
+      return launch_backward_registers<scalar_t, kFused>(plan, both, args, workspace, stream);
     }
     launch_backward_passes<scalar_t, kFused>(plan, both, args, workspace, stream);
   });
@@ -474,7 +475,8 @@ std::vector<at::Tensor> backward_fused(
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, int64_t groups,
     const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift,
     const std::vector<int64_t>& activations, double slope, const c10::optional<at::Tensor>& add,
-    bool need_dx, bool need_affine, bool need_scale, bool need_shift, bool need_add) {
+    bool need_dx, bool need_affine, bool need_scale, bool need_shift, bool need_add,
+    const std::string& kernel) {
   Checked c = check_inputs(x, weight, bias, groups, 0.0);
   const c10::cuda::CUDAGuard guard(x.device());
   const Problem& p = c.problem;
@@ -517,7 +519,8 @@ std::vector<at::Tensor> backward_fused(
   args.dadd = pointer(need_add, out[5]);
   Problem fused = p;
   fused.epilogue = true;
-  run_backward(fused, dyk, need_dx, args, "auto", 0, xk);
+  fused.called_chain = !epilogue.args.inline_chain();
+  run_backward(fused, dyk, need_dx, args, kernel, 0, xk);
   return out;
 }
 
@@ -538,8 +541,13 @@ PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& 
 }
 
 PlanFields backward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
-                         int64_t lag) {
+                         int64_t lag, bool epilogue, const std::vector<int64_t>& activations) {
   Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
+  const EpilogueArgs chain = check_epilogue(x, c10::nullopt, c10::nullopt, c10::nullopt,
+                                            activations, 0.0, c10::nullopt, false)
+                                 .args;
+  c.problem.epilogue = epilogue || chain.any();
+  c.problem.called_chain = !chain.inline_chain();
   if (x.numel() == 0)
     return {{"kernel", std::string("none")}, {"reason", std::string("empty input: no launch")}};
   const c10::cuda::CUDAGuard guard(x.device());

@@ -51,7 +51,8 @@ at::Tensor aten_activation(groupnorm::Activation a, const at::Tensor& v, double 
 void register_kernels(const std::string& ns);
 
 // Returns [dx, dweight, dbias]; each is an empty tensor when not asked for.
-// kernel: "auto", "passes" or "stream"; lag forces the stream kernel's lag.
+// kernel: "auto", "passes", "stream" or "registers"; lag forces the stream
+// kernel's lag.
 std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
                                  const at::Tensor& rstd, const c10::optional<at::Tensor>& weight,
                                  int64_t groups, bool need_dx, bool need_affine,
@@ -60,20 +61,24 @@ std::vector<at::Tensor> backward(const at::Tensor& dy, const at::Tensor& x, cons
 // The backward of forward_fused (without the residual, whose gradient is
 // dy): returns [dx, dweight, dbias, dscale, dshift, dadd], dscale, dshift and
 // dadd [N, C] in x's dtype; each an empty tensor when not asked for (or its
-// operand absent). The passes kernels with the epilogue recomputed per
-// element (backward_epilogue.cuh); bias is what the forward added.
+// operand absent). The passes or registers kernel with the epilogue
+// recomputed per element (backward_epilogue.cuh); bias is what the forward
+// added. kernel: "auto", "passes" or "registers".
 std::vector<at::Tensor> backward_fused(
     const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean, const at::Tensor& rstd,
     const c10::optional<at::Tensor>& weight, const c10::optional<at::Tensor>& bias, int64_t groups,
     const c10::optional<at::Tensor>& scale, const c10::optional<at::Tensor>& shift,
     const std::vector<int64_t>& activations, double slope, const c10::optional<at::Tensor>& add,
-    bool need_dx, bool need_affine, bool need_scale, bool need_shift, bool need_add);
+    bool need_dx, bool need_affine, bool need_scale, bool need_shift, bool need_add,
+    const std::string& kernel = "auto");
 
 // The plan forward() would run for x (forward_fused(), with `epilogue` or an
 // activation chain), or backward() for x and a grad_output laid out like it
-// (dx wanted). Empty input: no launch, no fields but that.
+// (dx wanted; backward_fused() with `epilogue` or an activation chain).
+// Empty input: no launch, no fields but that.
 groupnorm::PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
                                    int64_t team, int64_t lag, bool epilogue,
                                    const std::vector<int64_t>& activations);
 groupnorm::PlanFields backward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
-                                    int64_t lag);
+                                    int64_t lag, bool epilogue,
+                                    const std::vector<int64_t>& activations);

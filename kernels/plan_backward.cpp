@@ -141,9 +141,12 @@ BackwardPlan passes_channels_last(const Problem& p) {
 
 // The registers backward when a group fits one CTA: at most
 // kBackwardRegistersItems vectors of each input a thread, at most
-// kBackwardRegistersMaxThreads threads, for channels-last input a multiple of
-// a row's D / vec vectors (a thread keeps one column), and a table of channel
-// sums that with the kernel's static scratch (two sums a warp) stays within
+// kBackwardRegistersMaxThreads threads (the fused kernel's recompute:
+// kFusedBackwardRegistersMaxThreads, and 16-byte vectors, the one width it
+// is built for), for channels-last input a multiple of a row's D / vec
+// vectors (a thread keeps one column), and a table of channel sums (three
+// an entry for the fused kernel, two for the plain one) that with the
+// kernel's static scratch (two sums a warp) stays within
 // kBackwardRegistersSharedBytes. Forced, a group that does not fit is an
 // error.
 std::optional<BackwardPlan> registers_backward(const Problem& p, bool forced) {
@@ -151,20 +154,28 @@ std::optional<BackwardPlan> registers_backward(const Problem& p, bool forced) {
   plan.kernel = BackwardKernel::Registers;
   const int64_t D = p.D();
   plan.vec = p.channels_last ? widest_vector(p, {p.C, D}) : widest_vector(p, {p.HxW});
+  const int64_t most_threads =
+      p.epilogue ? kFusedBackwardRegistersMaxThreads : kBackwardRegistersMaxThreads;
   const int64_t vectors = D * p.HxW / plan.vec;
   const int64_t multiple = p.channels_last ? std::lcm<int64_t>(kWarp, D / plan.vec) : kWarp;
   const int64_t per_thread = (vectors + kBackwardRegistersItems - 1) / kBackwardRegistersItems;
   const int64_t threads = std::max<int64_t>(1, (per_thread + multiple - 1) / multiple) * multiple;
   const int64_t entries = p.channels_last ? threads * plan.vec : vectors;
-  const int64_t table = entries * 2 * p.acc;
-  const int64_t scratch = 2 * (kBackwardRegistersMaxThreads / kWarp) * p.acc;
+  const int64_t table = entries * (p.epilogue ? 3 : 2) * p.acc;
+  const int64_t scratch = 2 * (most_threads / kWarp) * p.acc;
+  const bool wide = !p.epilogue || plan.vec * p.elem == 16;
+  TORCH_CHECK_VALUE(
+      wide || !forced,
+      message("groupnorm backward: the fused registers kernel takes 16-byte vectors; "
+              "this input allows ",
+              plan.vec, " elements of ", p.elem, " bytes (kernel=\"passes\" takes any input)"));
   const bool fits =
-      threads <= kBackwardRegistersMaxThreads && table + scratch <= kBackwardRegistersSharedBytes;
+      wide && threads <= most_threads && table + scratch <= kBackwardRegistersSharedBytes;
   TORCH_CHECK_VALUE(
       fits || !forced,
-      message("groupnorm backward: the registers kernel holds a group in one CTA of at most ",
-              kBackwardRegistersMaxThreads, " threads, ", kBackwardRegistersItems,
-              " vectors a thread, with a table and scratch of at most ",
+      message("groupnorm backward: the ", p.epilogue ? "fused " : "",
+              "registers kernel holds a group in one CTA of at most ", most_threads, " threads, ",
+              kBackwardRegistersItems, " vectors a thread, with a table and scratch of at most ",
               kBackwardRegistersSharedBytes, " bytes; this group of ", vectors, " vectors of ",
               plan.vec, " elements needs ", threads, " threads and ", table + scratch,
               " bytes (kernel=\"passes\" takes any group)"));
@@ -184,14 +195,16 @@ std::optional<BackwardPlan> registers_backward(const Problem& p, bool forced) {
 
 }  // namespace
 
-// The registers backward when the input is smaller than L2 and a group fits
-// one CTA (registers_backward). The stream backward when dx is wanted and
-// the input is at least as large as L2 (smaller inputs are read from L2 the
-// second time anyway: the dx kernels walk the tiles in reverse): contiguous
-// input with 16-byte vectors and rows of whole tiles or more; channels-last
-// input when its units' row fits a block and stream_channels_last_suits. The
-// passes otherwise, and always for the fused forward's backward
-// (p.epilogue).
+// The registers backward, plain or fused (p.epilogue) with SiLU or ReLU
+// alone or no activation, when the input is smaller than L2 and a group fits
+// one CTA (registers_backward); after the chain kernel (p.called_chain) it
+// was no faster than the passes (DESIGN.md), which it then leaves. The stream
+// backward when dx is wanted and the input is at least as large as L2
+// (smaller inputs are read from L2 the second time anyway: the dx kernels
+// walk the tiles in reverse): contiguous input with 16-byte vectors and rows
+// of whole tiles or more; channels-last input when its units' row fits a
+// block and stream_channels_last_suits; never for the fused backward. The
+// passes otherwise.
 BackwardPlan choose_backward(const Problem& p, bool need_dx, const Request& req) {
   const std::string& k = req.kernel;
   TORCH_CHECK_VALUE(k == "auto" || k == "passes" || k == "stream" || k == "registers",
@@ -205,9 +218,9 @@ BackwardPlan choose_backward(const Problem& p, bool need_dx, const Request& req)
                     "groupnorm backward: lag= sets the stream kernel's lag (kernel='stream')");
   TORCH_CHECK_VALUE(k != "stream" || need_dx,
                     "groupnorm backward: the stream kernel needs dx wanted");
-  TORCH_CHECK_VALUE((k != "stream" && k != "registers") || !p.epilogue,
-                    "groupnorm backward: the fused backward runs the passes alone");
-  if (k == "registers" || (k == "auto" && !p.epilogue && !p.larger_than_l2())) {
+  TORCH_CHECK_VALUE(k != "stream" || !p.epilogue,
+                    "groupnorm backward: the fused backward has no stream kernel");
+  if (k == "registers" || (k == "auto" && !p.larger_than_l2() && !p.called_chain)) {
     if (auto plan = registers_backward(p, k == "registers")) return *plan;
   }
   const bool automatic = k == "auto" && need_dx && p.larger_than_l2() && !p.epilogue;
@@ -242,8 +255,10 @@ BackwardPlan choose_backward(const Problem& p, bool need_dx, const Request& req)
     }
   }
   BackwardPlan plan = p.channels_last ? passes_channels_last(p) : passes_contiguous(p);
-  plan.reason = k == "passes"  ? "passes requested"
-                : p.epilogue ? "the fused backward: the passes alone"
+  plan.reason = k == "passes" ? "passes requested"
+                : p.epilogue && p.called_chain && !p.larger_than_l2()
+                    ? "the fused backward after the chain kernel"
+                : p.epilogue ? "the fused backward: no registers plan, no stream kernel"
                              : "the default";
   return plan;
 }

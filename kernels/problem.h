@@ -26,10 +26,11 @@ struct Problem {
   int device;
   const DeviceInfo* dev;
   // The forward applies an epilogue (epilogue.cuh); a backward: it is the fused forward's
-  // (backward_epilogue.cuh), the passes alone.
+  // (backward_epilogue.cuh), the passes or the registers kernel.
   bool epilogue = false;
   // The forward's activation chain is called, not inline (EpilogueArgs::inline_chain),
-  // which the registers kernel does not take.
+  // which the forward's registers kernel does not take; the fused backward takes it
+  // back by the chain kernel first, then the passes unless the registers kernel is forced.
   bool called_chain = false;
   // The store kind of a fused forward's kernel (activation.h).
   Store store = Store::Bare;
