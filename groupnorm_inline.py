@@ -1117,8 +1117,8 @@ def plan(x, groups, *, kernel="auto", team=0, lag=0, backward=False, fused=False
     returns it. fused=True or an `activation` (as group_norm's): the plan of
     a call with an epilogue (scale, shift, residual, an (N, C) add, the
     activation); a chain other than SiLU or ReLU alone never takes the
-    forward's registers kernel, which has no call for one. A residual whose address
-    allows narrower vectors than x's narrows them. Its "store" names the
+    forward's registers kernel, which has no call for one. A residual whose
+    address allows narrower vectors than x's narrows them. Its "store" names the
     kernel's copy for the call without a residual: "none" (no activation;
     also the plain kernel's, without fused or an activation), "silu" or
     "relu" alone, or "any", which tests every option as it stores and serves

@@ -2,9 +2,9 @@
 // and the registers kernel (backward_registers.cuh), plain or fused
 // (backward_epilogue.cuh), and the stream kernels (backward_stream*.cuh,
 // plain), each followed, when dgamma and dbeta are wanted, by the affine
-// kernel. Every temporary of a backward comes from one
-// allocation, but the chain kernel's g (a second) and the stream kernels'
-// counters (left zeroed by the kernels).
+// kernel. Every temporary of a backward comes from one allocation, but the
+// chain kernel's g (a second) and the stream kernels' counters (left zeroed
+// by the kernels).
 #include <string>
 
 #include "backward_registers.cuh"
