@@ -24,7 +24,10 @@
 // and s - mean, each channel's sums give dshift, dscale and, scaled by
 // (1 + scale), the group's; dadd follows the dx coefficients. A chain the
 // passes do not take back inline reaches it as the chain kernel's g. The
-// recompute takes about twice the registers: half the threads a CTA.
+// recompute takes about twice the registers: half the threads a CTA. The
+// sums round g to x's dtype (as torch's own activation backward, whose
+// output is a tensor of it, does) and hold it in place of dy, so that dx
+// does not take the activation's derivative a second time.
 #pragma once
 
 #include "backward_passes.cuh"
@@ -155,12 +158,18 @@ __launch_bounds__(backward_registers_max_threads<kFused>(), 1) groupnorm_backwar
         gradient_lanes<scalar_t, V>(as_vec<VecT>(held_dy[k]), as_vec<VecT>(held_x[k]),
                                     recompute(channel(i)), ep, centred, grad);
         A s_dy = 0, s_dyx = 0, s_x = 0;
+        VecT g_v;  // kFused: g in x's dtype, held for dx in place of dy
 #pragma unroll
         for (int e = 0; e < V; ++e) {
+          if constexpr (kFused) {
+            g_v.val[e] = static_cast<scalar_t>(grad[e]);
+            grad[e] = static_cast<A>(g_v.val[e]);
+            s_x += centred[e];
+          }
           s_dy += grad[e];
           s_dyx += grad[e] * centred[e];
-          if constexpr (kFused) s_x += centred[e];
         }
+        if constexpr (kFused) held_dy[k] = as_vec<Raw>(g_v);
         store_sums(i, s_dy, s_dyx, s_x);
       }
     } else if constexpr (kFused) {  // lane by lane: one channel's values at a time
@@ -174,6 +183,10 @@ __launch_bounds__(backward_registers_max_threads<kFused>(), 1) groupnorm_backwar
           A centred[1], grad[1];
           gradient_lanes<scalar_t, 1>(lane_of<scalar_t, V>(held_dy[k], e),
                                       lane_of<scalar_t, V>(held_x[k], e), r, ep, centred, grad);
+          VecT g_v = as_vec<VecT>(held_dy[k]);  // g in x's dtype, held for dx in place of dy
+          g_v.val[e] = static_cast<scalar_t>(grad[0]);
+          held_dy[k] = as_vec<Raw>(g_v);
+          grad[0] = static_cast<A>(g_v.val[e]);
           s_dy += grad[0];
           s_dyx += grad[0] * centred[0];
           s_x += centred[0];
@@ -246,49 +259,57 @@ __launch_bounds__(backward_registers_max_threads<kFused>(), 1) groupnorm_backwar
         }
       }
       if (dx != nullptr) {
-        // dx's alpha: rstd * gamma, times (1 + scale) with kFused, where it is
-        // the folded affine's scale
-        const auto coef = [&](const Recompute<A>& r, int64_t c) {
-          if constexpr (kFused) return Coef<A>{r.f.scale, mu, k1, k2};
-          return Coef<A>{rs * weight(c), mu, k1, k2};
-        };
-        if (!channels_last || !kFused) {  // a vector at a time
+        if constexpr (kFused) {
+          // g is held in place of dy: dx = alpha * g - k1 - (s - mean) * k2,
+          // alpha the folded affine's scale rstd * gamma * (1 + scale), s
+          // formed again from x and add; the lanes' values read once a
+          // thread (channels-last: a channel each) or a vector (contiguous:
+          // one channel for all)
+          A alpha[V], lane_add[V];
+          const auto lanes_of = [&](int64_t c, bool one_channel) {
+#pragma unroll
+            for (int e = 0; e < V; ++e) {
+              if (one_channel && e > 0) {
+                alpha[e] = alpha[0];
+                lane_add[e] = lane_add[0];
+                continue;
+              }
+              const Recompute<A> r = recompute(c + e);
+              alpha[e] = r.f.scale;
+              lane_add[e] = r.add;
+            }
+          };
+          if (channels_last) lanes_of(channel(tid), false);
+#pragma unroll
+          for (int k = 0; k < K; ++k) {
+            const int i = tid + k * step;
+            if (i >= nvec) continue;
+            if (!channels_last) lanes_of(channel(i), true);
+            const VecT x_v = as_vec<VecT>(held_x[k]);
+            VecT s_v = x_v;
+            if (ep.forward.add != nullptr) {
+#pragma unroll
+              for (int e = 0; e < V; ++e) {
+                s_v.val[e] = static_cast<scalar_t>(static_cast<A>(x_v.val[e]) + lane_add[e]);
+              }
+            }
+            store_vec_streaming<scalar_t, V>(
+                dx + base + offset(i),
+                dx_vec<scalar_t, V>(as_vec<VecT>(held_dy[k]), s_v,
+                                    [&](int e) { return Coef<A>{alpha[e], mu, k1, k2}; }));
+          }
+        } else {
 #pragma unroll
           for (int k = 0; k < K; ++k) {
             const int i = tid + k * step;
             if (i >= nvec) continue;
             const int64_t c = channel(i);
-            const Recompute<A> r = recompute(c);
-            const Coef<A> k_c = coef(r, c);
-            const int lane_step = channels_last ? 1 : 0;  // the plain kernel's channels-last lanes
+            const auto coef = [&](int e) {
+              return Coef<A>{rs * weight(channels_last ? c + e : c), mu, k1, k2};
+            };
             store_vec_streaming<scalar_t, V>(
                 dx + base + offset(i),
-                fused_dx_vec<scalar_t, V>(
-                    as_vec<VecT>(held_dy[k]), as_vec<VecT>(held_x[k]),
-                    [&](int e) { return kFused ? k_c : coef(r, c + e * lane_step); },
-                    [&](int) { return r; }, ep));
-          }
-        } else {  // kFused, channels-last: lane by lane, as the sums
-          VecT out[K];
-#pragma unroll
-          for (int e = 0; e < V; ++e) {
-            const int64_t c = channel(tid) + e;
-            const Recompute<A> r = recompute(c);
-            const Coef<A> k_c = coef(r, c);
-#pragma unroll
-            for (int k = 0; k < K; ++k) {
-              if (tid + k * step >= nvec) continue;
-              out[k].val[e] =
-                  fused_dx_vec<scalar_t, 1>(
-                      lane_of<scalar_t, V>(held_dy[k], e), lane_of<scalar_t, V>(held_x[k], e),
-                      [&](int) { return k_c; }, [&](int) { return r; }, ep)
-                      .val[0];
-            }
-          }
-#pragma unroll
-          for (int k = 0; k < K; ++k) {
-            const int i = tid + k * step;
-            if (i < nvec) store_vec_streaming<scalar_t, V>(dx + base + offset(i), out[k]);
+                dx_vec<scalar_t, V>(as_vec<VecT>(held_dy[k]), as_vec<VecT>(held_x[k]), coef));
           }
         }
       }
