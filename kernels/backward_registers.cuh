@@ -200,13 +200,7 @@ __launch_bounds__(backward_registers_max_threads<kFused>(), 1) groupnorm_backwar
 #pragma unroll
       for (int k = 0; k < K; ++k) {
         if (tid + k * step >= nvec) continue;
-        const VecT g_v = as_vec<VecT>(held_dy[k]), x_v = as_vec<VecT>(held_x[k]);
-#pragma unroll
-        for (int e = 0; e < V; ++e) {
-          const A d = static_cast<A>(g_v.val[e]);
-          s_dy[e] += d;
-          s_dyx[e] += d * (static_cast<A>(x_v.val[e]) - mu);
-        }
+        add_lane_sums(as_vec<VecT>(held_dy[k]), as_vec<VecT>(held_x[k]), mu, s_dy, s_dyx);
       }
 #pragma unroll
       for (int e = 0; e < V; ++e) store_sums(tid * V + e, s_dy[e], s_dyx[e], A(0));

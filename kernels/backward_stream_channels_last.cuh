@@ -119,13 +119,7 @@ __global__ void __launch_bounds__(kBackwardThreads, kStreamBackwardBlocksPerSm)
 #pragma unroll
         for (int u = 0; u < kItems; ++u) {
           if (row_lane + u * rows_per_step < rows) {
-            const VecT gv = as_vec<VecT>(g[u]), xv = as_vec<VecT>(v[u]);
-#pragma unroll
-            for (int e = 0; e < V; ++e) {
-              const A d = static_cast<A>(gv.val[e]);
-              s_dy[e] += d;
-              s_dyx[e] += d * (static_cast<A>(xv.val[e]) - mu);
-            }
+            add_lane_sums(as_vec<VecT>(g[u]), as_vec<VecT>(v[u]), mu, s_dy, s_dyx);
           }
         }
       }

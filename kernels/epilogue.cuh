@@ -384,4 +384,17 @@ __device__ __forceinline__ Vec<scalar_t, V> dx_vec(const Vec<scalar_t, V>& g,
   return out;
 }
 
+// Lane e's sum of dy and of dy * (x - mu) over one vector of each, added
+// to s_dy[e] and s_dyx[e]: the channels-last sums, V channels a thread.
+template <typename scalar_t, int V, typename A>
+__device__ __forceinline__ void add_lane_sums(const Vec<scalar_t, V>& g, const Vec<scalar_t, V>& v,
+                                              A mu, A (&s_dy)[V], A (&s_dyx)[V]) {
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    const A d = static_cast<A>(g.val[e]);
+    s_dy[e] += d;
+    s_dyx[e] += d * (static_cast<A>(v.val[e]) - mu);
+  }
+}
+
 }  // namespace groupnorm
