@@ -3233,27 +3233,32 @@ def test_gpu_backward_stream_channels_last_kernel(case):
 
 
 # The registers backward forced on awkward groups: every vector width of every
-# dtype, either layout, channels-last rows of 3 and 5 vectors (blocks of 96
-# and 160 threads, so that a thread keeps one column), ragged last vectors,
-# G = 1 and G = C, 1-D and 3-D, 2,048 units, the largest group one CTA
-# holds and a table near the shared memory limit. Fields: what the plan
+# dtype, either layout, channels-last rows of 3 and 5 vectors (blocks of
+# multiples of 96 and 160 threads, so that a thread keeps one column), ragged
+# last vectors, G = 1 and G = C, 1-D and 3-D, few units (threads for a vector
+# each, or for 3-4 where 1,024 threads do not reach) and many (2,048 units;
+# 768 and 1,280 of 3-4 vectors a thread), the largest group one CTA holds and
+# a table near the shared memory limit. Fields: what the plan
 # must hold, so that a case that stops testing what it says fails.
 BACKWARD_REGISTERS = [  # (shape, groups, dtypes, layout, fields)
-    ((2, 12, 9, 11), 3, (BF16, F16, F32, F64), "contiguous", dict(vec=1, threads=128)),
-    ((2, 12, 10, 15), 3, (BF16, F16, F32, F64), "contiguous", dict(vec=2, threads=96)),
-    ((2, 12, 9, 12), 3, (BF16, F16, F32), "contiguous", dict(vec=4, threads=32)),
-    ((3, 40, 8, 8), 4, (BF16, F16), "contiguous", dict(vec=8, threads=32)),
-    ((2, 8, 16, 16), 8, (F32,), "contiguous", dict(vec=4, threads=32, tiles=16)),  # G = C
+    ((2, 12, 9, 11), 3, (BF16, F16, F32, F64), "contiguous", dict(vec=1, threads=416)),
+    ((2, 12, 10, 15), 3, (BF16, F16, F32, F64), "contiguous", dict(vec=2, threads=320)),
+    ((2, 12, 9, 12), 3, (BF16, F16, F32), "contiguous", dict(vec=4, threads=128)),
+    ((3, 40, 8, 8), 4, (BF16, F16), "contiguous", dict(vec=8, threads=96)),
+    ((2, 8, 16, 16), 8, (F32,), "contiguous", dict(vec=4, threads=64, tiles=16)),  # G = C
     ((2, 16, 8, 8), 1, (F16,), "contiguous", dict(vec=8, tiles=2)),  # G = 1
     ((4, 16, 100), 4, (F32,), "contiguous", dict(vec=4)),  # 1-D
     ((64, 256, 8, 8), 32, (F32,), "contiguous", dict(tiles=2048, threads=32)),
     ((2, 16, 64, 64), 4, (F32,), "contiguous", dict(vec=4, threads=1024, smem=32768)),  # largest
-    ((2, 15, 9, 11), 5, (BF16, F16, F32, F64), "channels_last", dict(vec=1, threads=96)),
-    ((2, 12, 20, 20), 6, (BF16, F16, F32, F64), "channels_last", dict(vec=2, threads=128)),
-    ((2, 32, 10, 10), 8, (BF16, F16, F32), "channels_last", dict(vec=4, threads=32)),
-    ((2, 80, 8, 8), 2, (BF16, F16), "channels_last", dict(vec=8, threads=160)),
-    ((2, 24, 6, 6), 2, (F32,), "channels_last", dict(vec=4, threads=96)),
-    ((2, 16, 4, 6, 6), 4, (BF16,), "channels_last", dict(vec=4, threads=64)),  # 3-D
+    ((2, 12, 27, 31), 3, (BF16, F32), "contiguous", dict(vec=1, threads=1024)),  # 3-4 a thread
+    ((256, 12, 9, 11), 3, (F32,), "contiguous", dict(vec=1, threads=128)),  # many units: 4 a thread
+    ((2, 15, 9, 11), 5, (BF16, F16, F32, F64), "channels_last", dict(vec=1, threads=384)),
+    ((2, 12, 20, 20), 6, (BF16, F16, F32, F64), "channels_last", dict(vec=2, threads=416)),
+    ((2, 32, 10, 10), 8, (BF16, F16, F32), "channels_last", dict(vec=4, threads=128)),
+    ((2, 80, 8, 8), 2, (BF16, F16), "channels_last", dict(vec=8, threads=320)),
+    ((2, 24, 6, 6), 2, (F32,), "channels_last", dict(vec=4, threads=192)),
+    ((2, 16, 4, 6, 6), 4, (BF16,), "channels_last", dict(vec=4, threads=160)),  # 3-D
+    ((256, 15, 9, 11), 5, (BF16,), "channels_last", dict(vec=1, threads=96)),  # many units: 3 a thread
     ((64, 256, 8, 8), 32, (F16,), "channels_last", dict(tiles=2048, vec=8)),
     ((2, 256, 46, 64), 32, (F16,), "channels_last", dict(vec=8, threads=736, smem=47104)),
 ]
@@ -5009,17 +5014,20 @@ def forced_fused_gradients(x, w, b, args, dy, groups, kernel, need_dx=True, need
 # table arrangements, one channel a group and one group, a 1-D and a 3-D
 # input, and the largest groups it takes. Fields: what the plan must hold.
 FUSED_BACKWARD_REGISTERS = [  # (shape, groups, dtypes, layout, fields)
-    ((2, 32, 8, 8), 8, (BF16, F16, F32, F64), "contiguous", dict(threads=32)),
-    ((3, 40, 16, 16), 4, (F16,), "contiguous", dict(vec=8, threads=96)),
-    ((2, 8, 16, 16), 8, (F32,), "contiguous", dict(vec=4, threads=32, tiles=16)),  # G = C
+    ((2, 32, 8, 8), 8, (BF16, F16), "contiguous", dict(threads=32)),
+    ((2, 32, 8, 8), 8, (F32,), "contiguous", dict(threads=64)),
+    ((2, 32, 8, 8), 8, (F64,), "contiguous", dict(threads=128)),
+    ((3, 40, 16, 16), 4, (F16,), "contiguous", dict(vec=8, threads=320)),
+    ((2, 8, 16, 16), 8, (F32,), "contiguous", dict(vec=4, threads=64, tiles=16)),  # G = C
     ((2, 16, 8, 8), 1, (BF16,), "contiguous", dict(vec=8, tiles=2)),  # G = 1
     ((4, 16, 100), 4, (F32,), "contiguous", dict(vec=4)),  # 1-D
     ((2, 8, 64, 64), 4, (F32,), "contiguous", dict(threads=512, smem=24576)),  # largest
-    ((2, 32, 10, 10), 8, (F32,), "channels_last", dict(vec=4, threads=32)),
-    ((2, 64, 10, 10), 8, (BF16, F16), "channels_last", dict(vec=8, threads=32)),
-    ((2, 80, 8, 8), 2, (BF16, F16), "channels_last", dict(vec=8, threads=160)),
-    ((2, 16, 9, 11), 4, (F64,), "channels_last", dict(vec=2, threads=64)),
-    ((2, 16, 4, 6, 6), 2, (BF16,), "channels_last", dict(vec=8, threads=64)),  # 3-D
+    ((256, 32, 16, 16), 8, (F16,), "contiguous", dict(threads=32)),  # many units: 4 a thread
+    ((2, 32, 10, 10), 8, (F32,), "channels_last", dict(vec=4, threads=128)),
+    ((2, 64, 10, 10), 8, (BF16, F16), "channels_last", dict(vec=8, threads=128)),
+    ((2, 80, 8, 8), 2, (BF16, F16), "channels_last", dict(vec=8, threads=320)),
+    ((2, 16, 9, 11), 4, (F64,), "channels_last", dict(vec=2, threads=224)),
+    ((2, 16, 4, 6, 6), 2, (BF16,), "channels_last", dict(vec=8, threads=160)),  # 3-D
     ((2, 256, 30, 32), 16, (F16,), "channels_last", dict(threads=480, smem=46080)),  # largest
 ]
 FUSED_BACKWARD_REGISTERS_CASES = [

@@ -158,11 +158,27 @@ std::optional<BackwardPlan> registers_backward(const Problem& p, bool forced) {
       p.epilogue ? kFusedBackwardRegistersMaxThreads : kBackwardRegistersMaxThreads;
   const int64_t vectors = D * p.HxW / plan.vec;
   const int64_t multiple = p.channels_last ? std::lcm<int64_t>(kWarp, D / plan.vec) : kWarp;
-  const int64_t per_thread = (vectors + kBackwardRegistersItems - 1) / kBackwardRegistersItems;
-  const int64_t threads = std::max<int64_t>(1, (per_thread + multiple - 1) / multiple) * multiple;
-  const int64_t entries = p.channels_last ? threads * plan.vec : vectors;
-  const int64_t table = entries * (p.epilogue ? 3 : 2) * p.acc;
+  const auto round_up = [multiple](int64_t n) {
+    return std::max<int64_t>(1, (n + multiple - 1) / multiple) * multiple;
+  };
+  const int64_t sums = p.epilogue ? 3 : 2;
   const int64_t scratch = 2 * (most_threads / kWarp) * p.acc;
+  // Threads for kBackwardRegistersItems vectors each, the fewest that hold
+  // the group; on few units an SM, threads for one vector each (their
+  // latency needs warps) while every unit's CTA fits the card at once
+  // (most_threads fill an SM's registers) and, channels-last, the table
+  // fits (an entry a thread's lane).
+  int64_t threads = round_up((vectors + kBackwardRegistersItems - 1) / kBackwardRegistersItems);
+  const int64_t units_per_sm = (p.N * p.G + p.dev->sms - 1) / p.dev->sms;
+  if (units_per_sm <= kBackwardRegistersSpreadUnits) {
+    int64_t most = most_threads / units_per_sm;
+    if (p.channels_last) {
+      most = std::min(most, (kBackwardRegistersSharedBytes - scratch) / (plan.vec * sums * p.acc));
+    }
+    threads = std::max(threads, std::min(round_up(vectors), most / multiple * multiple));
+  }
+  const int64_t entries = p.channels_last ? threads * plan.vec : vectors;
+  const int64_t table = entries * sums * p.acc;
   const bool wide = !p.epilogue || plan.vec * p.elem == 16;
   TORCH_CHECK_VALUE(
       wide || !forced,
