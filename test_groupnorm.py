@@ -3236,9 +3236,10 @@ def test_gpu_backward_stream_channels_last_kernel(case):
 # dtype, either layout, channels-last rows of 3 and 5 vectors (blocks of
 # multiples of 96 and 160 threads, so that a thread keeps one column), ragged
 # last vectors, G = 1 and G = C, 1-D and 3-D, few units (threads for a vector
-# each, or for 3-4 where 1,024 threads do not reach) and many (2,048 units;
-# 768 and 1,280 of 3-4 vectors a thread), the largest group one CTA holds and
-# a table near the shared memory limit. Fields: what the plan
+# each where four a thread take fewer than 256, else four), two an SM (half
+# the threads) and many (2,048 units; 768 and 1,280 of 3-4 vectors a
+# thread), the largest group one CTA holds and a table near the shared
+# memory limit. Fields: what the plan
 # must hold, so that a case that stops testing what it says fails.
 BACKWARD_REGISTERS = [  # (shape, groups, dtypes, layout, fields)
     ((2, 12, 9, 11), 3, (BF16, F16, F32, F64), "contiguous", dict(vec=1, threads=416)),
@@ -3250,7 +3251,8 @@ BACKWARD_REGISTERS = [  # (shape, groups, dtypes, layout, fields)
     ((4, 16, 100), 4, (F32,), "contiguous", dict(vec=4)),  # 1-D
     ((64, 256, 8, 8), 32, (F32,), "contiguous", dict(tiles=2048, threads=32)),
     ((2, 16, 64, 64), 4, (F32,), "contiguous", dict(vec=4, threads=1024, smem=32768)),  # largest
-    ((2, 12, 27, 31), 3, (BF16, F32), "contiguous", dict(vec=1, threads=1024)),  # 3-4 a thread
+    ((2, 12, 27, 31), 3, (BF16, F32), "contiguous", dict(vec=1, threads=864)),  # few, 3-4 a thread
+    ((6, 1280, 8, 8), 32, (BF16,), "contiguous", dict(vec=8, threads=320)),  # 2 units an SM
     ((256, 12, 9, 11), 3, (F32,), "contiguous", dict(vec=1, threads=128)),  # many units: 4 a thread
     ((2, 15, 9, 11), 5, (BF16, F16, F32, F64), "channels_last", dict(vec=1, threads=384)),
     ((2, 12, 20, 20), 6, (BF16, F16, F32, F64), "channels_last", dict(vec=2, threads=416)),
@@ -3259,6 +3261,7 @@ BACKWARD_REGISTERS = [  # (shape, groups, dtypes, layout, fields)
     ((2, 24, 6, 6), 2, (F32,), "channels_last", dict(vec=4, threads=192)),
     ((2, 16, 4, 6, 6), 4, (BF16,), "channels_last", dict(vec=4, threads=160)),  # 3-D
     ((256, 15, 9, 11), 5, (BF16,), "channels_last", dict(vec=1, threads=96)),  # many units: 3 a thread
+    ((6, 1280, 8, 8), 32, (BF16,), "channels_last", dict(vec=8, threads=320)),  # 2 units an SM
     ((64, 256, 8, 8), 32, (F16,), "channels_last", dict(tiles=2048, vec=8)),
     ((2, 256, 46, 64), 32, (F16,), "channels_last", dict(vec=8, threads=736, smem=47104)),
 ]
@@ -5023,12 +5026,14 @@ FUSED_BACKWARD_REGISTERS = [  # (shape, groups, dtypes, layout, fields)
     ((4, 16, 100), 4, (F32,), "contiguous", dict(vec=4)),  # 1-D
     ((2, 8, 64, 64), 4, (F32,), "contiguous", dict(threads=512, smem=24576)),  # largest
     ((256, 32, 16, 16), 8, (F16,), "contiguous", dict(threads=32)),  # many units: 4 a thread
+    ((6, 1280, 8, 8), 32, (BF16,), "contiguous", dict(threads=256)),  # 2 units an SM: 1-2 a thread
     ((2, 32, 10, 10), 8, (F32,), "channels_last", dict(vec=4, threads=128)),
     ((2, 64, 10, 10), 8, (BF16, F16), "channels_last", dict(vec=8, threads=128)),
     ((2, 80, 8, 8), 2, (BF16, F16), "channels_last", dict(vec=8, threads=320)),
     ((2, 16, 9, 11), 4, (F64,), "channels_last", dict(vec=2, threads=224)),
     ((2, 16, 4, 6, 6), 2, (BF16,), "channels_last", dict(vec=8, threads=160)),  # 3-D
     ((2, 256, 30, 32), 16, (F16,), "channels_last", dict(threads=480, smem=46080)),  # largest
+    ((6, 1280, 8, 8), 32, (BF16,), "channels_last", dict(threads=160)),  # 2 units an SM
 ]
 FUSED_BACKWARD_REGISTERS_CASES = [
     (shape, groups, dtype, layout, fields)

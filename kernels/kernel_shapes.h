@@ -44,6 +44,7 @@ constexpr int kBackwardRegistersMaxThreads = 1024;
 constexpr int kFusedBackwardRegistersMaxThreads = 512;  // the recompute's registers: 128 a thread
 constexpr int kBackwardRegistersItems = 4;  // vectors of x and of dy a thread holds
 constexpr int kBackwardRegistersSpreadUnits = 2;  // units an SM up to which a thread takes one
+constexpr int kBackwardRegistersSpreadBelow = 256;  // plain: spread blocks of fewer threads only
 // The registers backward's shared memory, its table of channel sums and its
 // static scratch together: what a block gets without opting in to more.
 constexpr int64_t kBackwardRegistersSharedBytes = 48 * 1024;

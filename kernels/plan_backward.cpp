@@ -147,8 +147,8 @@ BackwardPlan passes_channels_last(const Problem& p) {
 // vectors (a thread keeps one column), and a table of channel sums (three
 // an entry for the fused kernel, two for the plain one) that with the
 // kernel's static scratch (two sums a warp) stays within
-// kBackwardRegistersSharedBytes. Forced, a group that does not fit is an
-// error.
+// kBackwardRegistersSharedBytes; on few units an SM, more threads of fewer
+// vectors (below). Forced, a group that does not fit is an error.
 std::optional<BackwardPlan> registers_backward(const Problem& p, bool forced) {
   BackwardPlan plan;
   plan.kernel = BackwardKernel::Registers;
@@ -167,10 +167,12 @@ std::optional<BackwardPlan> registers_backward(const Problem& p, bool forced) {
   // the group; on few units an SM, threads for one vector each (their
   // latency needs warps) while every unit's CTA fits the card at once
   // (most_threads fill an SM's registers) and, channels-last, the table
-  // fits (an entry a thread's lane).
+  // fits (an entry a thread's lane): for the fused kernel, and for the plain
+  // one where its block would have fewer than kBackwardRegistersSpreadBelow.
   int64_t threads = round_up((vectors + kBackwardRegistersItems - 1) / kBackwardRegistersItems);
   const int64_t units_per_sm = (p.N * p.G + p.dev->sms - 1) / p.dev->sms;
-  if (units_per_sm <= kBackwardRegistersSpreadUnits) {
+  if (units_per_sm <= kBackwardRegistersSpreadUnits &&
+      (p.epilogue || threads < kBackwardRegistersSpreadBelow)) {
     int64_t most = most_threads / units_per_sm;
     if (p.channels_last) {
       most = std::min(most, (kBackwardRegistersSharedBytes - scratch) / (plan.vec * sums * p.acc));
