@@ -129,8 +129,8 @@ __launch_bounds__(backward_registers_max_threads<kFused>(), 1) groupnorm_backwar
     // What the forward computed channel c's z from (the mean alone for the
     // plain kernel), read once a vector (contiguous) or once a lane of the
     // thread's column (channels-last), never per element: each vector of the
-    // contiguous layout lies in one channel, and channels-last lanes are
-    // walked lane by lane over the thread's vectors.
+    // contiguous layout lies in one channel; channels-last sums walk lane by
+    // lane over the thread's vectors, and dx keeps each lane's scale and add.
     const auto recompute = [&](int64_t c) -> Recompute<A> {
       if constexpr (kFused) {
         const A add = ep.forward.add != nullptr ? static_cast<A>(ep.forward.add[n * C + c]) : A(0);

@@ -384,8 +384,9 @@ __device__ __forceinline__ Vec<scalar_t, V> dx_vec(const Vec<scalar_t, V>& g,
   return out;
 }
 
-// Lane e's sum of dy and of dy * (x - mu) over one vector of each, added
-// to s_dy[e] and s_dyx[e]: the channels-last sums, V channels a thread.
+// Lane e's sum of g and of g * (v - mu) over one vector of dy (g) and one
+// of x (v), added to s_dy[e] and s_dyx[e]: the channels-last sums, V
+// channels a thread.
 template <typename scalar_t, int V, typename A>
 __device__ __forceinline__ void add_lane_sums(const Vec<scalar_t, V>& g, const Vec<scalar_t, V>& v,
                                               A mu, A (&s_dy)[V], A (&s_dyx)[V]) {
