@@ -524,9 +524,12 @@ std::vector<at::Tensor> backward_fused(
   return out;
 }
 
-PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
-                        int64_t team, int64_t lag, bool epilogue,
-                        const std::vector<int64_t>& activations) {
+namespace {
+
+// x's problem as a plan query sees it: with an epilogue when asked for or
+// when the activation chain is not empty, and what that chain needs.
+Checked plan_problem(const at::Tensor& x, int64_t groups, bool epilogue,
+                     const std::vector<int64_t>& activations) {
   Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
   const EpilogueArgs chain = check_epilogue(x, c10::nullopt, c10::nullopt, c10::nullopt,
                                             activations, 0.0, c10::nullopt, false)
@@ -534,6 +537,15 @@ PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& 
   c.problem.epilogue = epilogue || chain.any();
   c.problem.called_chain = !chain.inline_chain();
   c.problem.store = chain.store();
+  return c;
+}
+
+}  // namespace
+
+PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
+                        int64_t team, int64_t lag, bool epilogue,
+                        const std::vector<int64_t>& activations) {
+  const Checked c = plan_problem(x, groups, epilogue, activations);
   if (x.numel() == 0)
     return {{"kernel", std::string("none")}, {"reason", std::string("empty input: no launch")}};
   const c10::cuda::CUDAGuard guard(x.device());
@@ -542,12 +554,7 @@ PlanFields forward_plan(const at::Tensor& x, int64_t groups, const std::string& 
 
 PlanFields backward_plan(const at::Tensor& x, int64_t groups, const std::string& kernel,
                          int64_t lag, bool epilogue, const std::vector<int64_t>& activations) {
-  Checked c = check_inputs(x, c10::nullopt, c10::nullopt, groups, 0.0);
-  const EpilogueArgs chain = check_epilogue(x, c10::nullopt, c10::nullopt, c10::nullopt,
-                                            activations, 0.0, c10::nullopt, false)
-                                 .args;
-  c.problem.epilogue = epilogue || chain.any();
-  c.problem.called_chain = !chain.inline_chain();
+  const Checked c = plan_problem(x, groups, epilogue, activations);
   if (x.numel() == 0)
     return {{"kernel", std::string("none")}, {"reason", std::string("empty input: no launch")}};
   const c10::cuda::CUDAGuard guard(x.device());
